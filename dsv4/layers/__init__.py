@@ -1,0 +1,1 @@
+"""Model layers in dependency order: norm, rope, linear, mhc, attention, moe."""

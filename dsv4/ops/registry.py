@@ -1,0 +1,42 @@
+"""Backend selection for the hot ops: an explicit enum, never an environment variable."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Callable
+
+from dsv4.ops.indexer_topk import reference as indexer_ref
+from dsv4.ops.moe_experts import reference as moe_ref
+from dsv4.ops.sparse_attention import reference as attn_ref
+
+
+class Backend(enum.Enum):
+    """Which implementation runs the hot ops."""
+
+    REFERENCE = "reference"  # pure JAX / XLA
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSet:
+    sparse_attention: Callable
+    indexer_topk: Callable
+    moe_experts: Callable
+
+
+_REGISTRY: dict[Backend, OpSet] = {
+    Backend.REFERENCE: OpSet(
+        sparse_attention=attn_ref.sparse_attention,
+        indexer_topk=indexer_ref.indexer_topk,
+        moe_experts=moe_ref.moe_experts_grouped,
+    ),
+}
+
+
+def ops_for(backend: Backend | str) -> OpSet:
+    """The op implementations of `backend` (an enum member or its value)."""
+    try:
+        backend = Backend(backend)
+    except ValueError:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {[b.value for b in Backend]}") from None
+    return _REGISTRY[backend]
