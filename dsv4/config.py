@@ -204,6 +204,10 @@ class ModelConfig:
             j = self.index_head_dim
             _require(j & (j - 1) == 0 and j % 32 == 0, "index_head_dim",
                      f"({j}) must be a power of two multiple of 32 when fake_quant is on")
+        if self.expert_format is WeightFormat.FP4:
+            for name in ("hidden_size", "moe_intermediate_size"):
+                _require(getattr(self, name) % 32 == 0, name,
+                         f"({getattr(self, name)}) must be a multiple of 32 for FP4 experts (1x32 scale groups)")
         for tid in self.dspark_target_layer_ids:
             _require(0 <= tid < self.num_hidden_layers, "dspark_target_layer_ids",
                      f"layer {tid} is outside [0, {self.num_hidden_layers})")
@@ -507,7 +511,7 @@ def _tiny() -> ModelConfig:
         qk_rope_head_dim=8, q_lora_rank=48, o_groups=3, o_lora_rank=24, sliding_window=16,
         layer_types=kinds, csa_ratio=4, hca_ratio=16, index_n_heads=5, index_head_dim=32,
         index_topk=4, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
-        moe_intermediate_size=36, mlp_layer_types=_hash_prefix(2, 5),
+        moe_intermediate_size=32, mlp_layer_types=_hash_prefix(2, 5),
         yarn=YarnScaling(factor=4.0, original_max_position_embeddings=64),
         max_position_embeddings=4096,
     )

@@ -1,0 +1,156 @@
+"""Load an official-format DeepSeek-V4 checkpoint directory into the model.
+
+Streaming: tensors are read one at a time from memory-mapped shards and placed on their
+devices immediately (routed experts are stacked per layer and weight). Every expected
+tensor is checked before anything is placed: missing, unexpected and mis-shaped tensors
+are all reported in one error naming each tensor with what was expected and found.
+Draft-module tensors (`mtp.*`) are recognised and indexed for the speculative-decoding
+head, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from checkpoints.inventory import DRAFT_PREFIX, TensorSpec, abstract_model, path_name, tower_inventory
+from checkpoints.safetensors_io import FLOAT_DTYPES, CheckpointError, CheckpointReader, TensorRef
+from dsv4.config import ModelConfig, WeightFormat
+from dsv4.model import Transformer, storage_config
+
+# Maps a parameter's official (stacked) name to where it should live; None = default device.
+ShardingFn = Callable[[str], jax.sharding.Sharding | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadReport:
+    """What a load did: counts, and the draft tensors kept aside (by name, not loaded)."""
+
+    directory: str
+    n_tensors: int
+    n_bytes: int
+    draft_tensors: dict[str, TensorRef]
+
+    @property
+    def draft_stages(self) -> tuple[int, ...]:
+        return tuple(sorted({int(n.split(".")[1]) for n in self.draft_tensors}))
+
+    def summary(self) -> str:
+        draft = (f"{len(self.draft_tensors)} draft tensors for stages {list(self.draft_stages)} kept aside"
+                 if self.draft_tensors else "no draft-module (mtp.*) tensors: speculation mode 'none'")
+        return f"loaded {self.n_tensors} tower tensors ({self.n_bytes / 2**20:.1f} MiB) from {self.directory}; {draft}"
+
+
+def check_tensors(reader: CheckpointReader, inventory: dict[str, TensorSpec]) -> None:
+    """Raise one CheckpointError listing every missing, unexpected or mis-shaped tensor."""
+    problems = []
+    for name, spec in inventory.items():
+        ref = reader.refs.get(name)
+        if ref is None:
+            problems.append(f"missing tensor {name}: expected {spec.dtype}{list(spec.shape)}")
+            continue
+        dtype_ok = ref.dtype == spec.dtype or (spec.dtype in FLOAT_DTYPES and ref.dtype in FLOAT_DTYPES) or (
+            spec.dtype == "I64" and ref.dtype in ("I64", "I32"))
+        if ref.shape != spec.shape or not dtype_ok:
+            problems.append(f"tensor {name}: expected {spec.dtype}{list(spec.shape)}, found {ref.dtype}{list(ref.shape)}")
+    for name in reader.names():
+        if name not in inventory and not name.startswith(DRAFT_PREFIX):
+            ref = reader.refs[name]
+            problems.append(f"unexpected tensor {name}: {ref.dtype}{list(ref.shape)} has no place in this config")
+    if problems:
+        shown = "\n  ".join(problems[:50])
+        more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
+        raise CheckpointError(f"{reader.directory}: {len(problems)} problem(s) with the checkpoint:\n  {shown}{more}")
+
+
+def _host_value(reader: CheckpointReader, spec: TensorSpec, target_dtype: np.dtype) -> np.ndarray:
+    arr = reader.read(spec.name)
+    if spec.dtype == "I64":
+        if arr.size and (arr.min() < 0 or arr.max() >= np.iinfo(np.int32).max):
+            raise CheckpointError(f"tensor {spec.name}: expert ids outside int32 range")
+        return arr.astype(np.int32)
+    if spec.dtype in FLOAT_DTYPES:
+        return arr.astype(target_dtype)
+    return arr
+
+
+def load_checkpoint(directory: str | os.PathLike, *, dtype: jnp.dtype = jnp.bfloat16, quantized: bool = False,
+                    config_overrides: dict | None = None, sharding: ShardingFn | None = None,
+                    ) -> tuple[Transformer, LoadReport]:
+    """Build the tower from an official checkpoint directory.
+
+    dtype: dtype of dense weights and activations. quantized: keep FP8/FP4 tensors as on
+    disk and dequantise inside the matmuls (else decode them to `dtype` at load).
+    config_overrides: ModelConfig fields to replace (e.g. `fake_quant=False`).
+    sharding: where each parameter goes (by official stacked name); default device if None.
+    """
+    directory = os.fspath(directory)
+    cfg = ModelConfig.from_hf_json(directory, **(config_overrides or {}))
+    reader = CheckpointReader(directory)
+    try:
+        inventory = tower_inventory(cfg)
+        check_tensors(reader, inventory)
+        model = abstract_model(storage_config(cfg, quantized), dtype)
+        graphdef, state = nnx.split(model)
+        by_path: dict[tuple, list[TensorSpec]] = {}
+        for spec in inventory.values():
+            by_path.setdefault(spec.path, []).append(spec)
+        n_bytes = 0
+        flat = []
+        for path, var in nnx.to_flat_state(state):
+            target = var.get_value()
+            specs = by_path[tuple(path)]
+            value = _load_param(reader, specs, target, cfg, quantized, dtype)
+            n_bytes += value.size * value.dtype.itemsize
+            dest = sharding(path_name(path)) if sharding is not None else None
+            flat.append((path, var.replace(jax.device_put(value, dest))))
+        state = nnx.from_flat_state(flat)
+        draft = {n: r for n, r in reader.refs.items() if n.startswith(DRAFT_PREFIX)}
+        report = LoadReport(directory, len(inventory), n_bytes, draft)
+        return nnx.merge(graphdef, state), report
+    finally:
+        reader.close()
+
+
+def _load_param(reader: CheckpointReader, specs: list[TensorSpec], target: jax.ShapeDtypeStruct,
+                cfg: ModelConfig, quantized: bool, dtype: jnp.dtype) -> jax.Array:
+    """Read (and stack, and decode if asked) the tensors that fill one parameter."""
+    spec0 = specs[0]
+    if spec0.expert is None:
+        host = _host_value(reader, spec0, np.dtype(target.dtype))
+        if host.shape == tuple(target.shape) and host.dtype == target.dtype:
+            return jnp.asarray(host)
+        return _decode(reader, spec0.name, host, target, cfg)
+    # Routed experts: one tensor per expert, stacked along E in id order.
+    stacked = np.stack([_host_value(reader, s, np.dtype(target.dtype)) for s in sorted(specs, key=lambda s: s.expert)])
+    if stacked.shape == tuple(target.shape) and stacked.dtype == target.dtype:
+        return jnp.asarray(stacked)
+    return _decode(reader, spec0.name, stacked, target, cfg)
+
+
+def _decode(reader: CheckpointReader, name: str, data: np.ndarray, target: jax.ShapeDtypeStruct,
+            cfg: ModelConfig) -> jax.Array:
+    """Dequantise an FP8 / FP4 weight to a dense target (dequantise-at-load mode)."""
+    from dsv4 import quant
+
+    scale_name = name.rsplit(".", 1)[0] + ".scale"
+    if not name.endswith(".weight") or scale_name not in reader:
+        raise CheckpointError(f"tensor {name}: {data.dtype}{list(data.shape)} cannot fill "
+                              f"{np.dtype(target.dtype)}{list(target.shape)}")
+    is_expert = ".ffn.experts." in name
+    if is_expert:
+        head, rest = name.split(".ffn.experts.")
+        tail = rest.split(".", 1)[1].rsplit(".", 1)[0]
+        scale = np.stack([reader.read(f"{head}.ffn.experts.{e}.{tail}.scale") for e in range(data.shape[0])])
+    else:
+        scale = reader.read(scale_name)
+    fmt = cfg.expert_format if is_expert else cfg.weight_format
+    if fmt is WeightFormat.FP4:
+        return quant.dequant_fp4(data, scale, target.dtype)
+    return quant.dequant_fp8_block(data, scale, target.dtype)
