@@ -1,0 +1,1 @@
+"""Serving: user entry points over the model (`python -m serving.generate`)."""
