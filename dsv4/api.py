@@ -16,7 +16,7 @@ from flax import nnx
 
 from dsv4.config import ModelConfig
 from dsv4.model import Transformer
-from dsv4.ops.registry import Backend, ops_for
+from dsv4.ops.registry import Backend, ops_for, parse_backend
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "f32": jnp.float32}
 
@@ -90,7 +90,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | Any = "bfloat16", b
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         dtype = _DTYPES[dtype]
-    backend = Backend(backend) if not isinstance(backend, Backend) else backend
+    backend = parse_backend(backend)
     overrides = {} if fake_quant is None else {"fake_quant": fake_quant}
     module, report = load_checkpoint(path, dtype=dtype, quantized=quantized, config_overrides=overrides)
     return Model(module, backend, report)

@@ -333,6 +333,28 @@ def _get(cfg: Mapping[str, Any], *names: str, default: Any = None, required: boo
     return default
 
 
+def _kinds_from_ratios(ratios: list[Any], n_layers: int) -> tuple[list[AttentionKind], int | None]:
+    """Attention kinds from legacy `compress_ratios`, and a literal HCA ratio if one is used.
+
+    Entries: 0 = sliding only, 4 = CSA, 128 = HCA (the rate may then come from
+    `compress_rate_hca`). The reference reads any other positive entry r as an HCA layer
+    pooling r tokens (small rates make tiny test models); one such rate per model.
+    """
+    bad = [r for r in ratios if not isinstance(r, int) or isinstance(r, bool) or r < 0]
+    if bad:
+        raise ConfigError(f"compress_ratios: entries must be non-negative integers, found {bad[:3]}")
+    extra = ratios[n_layers:]
+    if any(extra):  # trailing entries belong to the draft stages, which never compress
+        raise ConfigError(f"compress_ratios: draft-stage entries after layer {n_layers} must be 0, got {extra}")
+    literal = sorted({r for r in ratios[:n_layers] if r not in _RATIO_TO_KIND})
+    if len(literal) > 1:
+        raise ConfigError(f"compress_ratios: one HCA ratio per model, found {literal}")
+    if literal and 128 in ratios[:n_layers]:
+        raise ConfigError(f"compress_ratios: mixes the HCA label 128 with a literal HCA ratio {literal[0]}")
+    kinds = [_RATIO_TO_KIND.get(r, AttentionKind.HCA) for r in ratios]
+    return kinds, (literal[0] if literal else None)
+
+
 def _parse_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Map a `config.json` dict (current or legacy names) onto ModelConfig fields."""
     model_type = cfg.get("model_type", "deepseek_v4")
@@ -343,21 +365,14 @@ def _parse_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
     # Attention kinds: explicit layer_types > legacy compress_ratios. There is deliberately
     # no default pattern: transformers' default is V4-Pro's, not Flash's.
+    literal_hca = None
     if cfg.get("layer_types") is not None:
         try:
             kinds = [AttentionKind(t) for t in cfg["layer_types"]]
         except ValueError as e:
             raise ConfigError(f"layer_types: {e}") from None
     elif cfg.get("compress_ratios") is not None:
-        ratios = list(cfg["compress_ratios"])
-        bad = [r for r in ratios if r not in _RATIO_TO_KIND]
-        if bad:
-            raise ConfigError(f"compress_ratios: values must be 0, 4 or 128, found {sorted(set(bad))}")
-        kinds = [_RATIO_TO_KIND[r] for r in ratios]
-        # Trailing entries beyond the tower belong to the draft stages (always 0).
-        extra = ratios[n_layers:]
-        if any(extra):
-            raise ConfigError(f"compress_ratios: draft-stage entries after layer {n_layers} must be 0, got {extra}")
+        kinds, literal_hca = _kinds_from_ratios(list(cfg["compress_ratios"]), n_layers)
     else:
         raise ConfigError("layer_types: config.json has neither layer_types nor compress_ratios")
     if len(kinds) < n_layers:
@@ -367,6 +382,11 @@ def _parse_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
     rates = dict(cfg.get("compress_rates") or {})
     csa_ratio = int(_get(cfg, "compress_rate_csa", default=rates.get(AttentionKind.CSA.value, 4)))
     hca_ratio = int(_get(cfg, "compress_rate_hca", default=rates.get(AttentionKind.HCA.value, 128)))
+    if cfg.get("layer_types") is None and literal_hca is not None:
+        explicit = _get(cfg, "compress_rate_hca", default=rates.get(AttentionKind.HCA.value))
+        if explicit is not None and int(explicit) != literal_hca:
+            raise ConfigError(f"compress_ratios: HCA ratio {literal_hca} contradicts compress_rate_hca {explicit}")
+        hca_ratio = literal_hca
 
     if cfg.get("mlp_layer_types") is not None:
         try:

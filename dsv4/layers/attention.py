@@ -46,6 +46,8 @@ class Compressor(nnx.Module):
         b, t, _ = x_BTD.shape
         r, d = self.ratio, self.dim
         n = t // r
+        if n == 0:  # shorter than one pool: nothing completed yet
+            return jnp.zeros((b, 0, d), x_BTD.dtype)
         xf = x_BTD[:, :n * r].astype(jnp.float32)
         kv = self.wkv(xf)  # f32
         gate = self.wgate(xf) + jnp.tile(self.ape[...], (n, 1))[None]

@@ -33,10 +33,14 @@ _REGISTRY: dict[Backend, OpSet] = {
 }
 
 
-def ops_for(backend: Backend | str) -> OpSet:
-    """The op implementations of `backend` (an enum member or its value)."""
+def parse_backend(backend: Backend | str) -> Backend:
+    """An enum member from a member or its value; a clear error otherwise."""
     try:
-        backend = Backend(backend)
+        return Backend(backend)
     except ValueError:
         raise ValueError(f"unknown backend {backend!r}; choose one of {[b.value for b in Backend]}") from None
-    return _REGISTRY[backend]
+
+
+def ops_for(backend: Backend | str) -> OpSet:
+    """The op implementations of `backend` (an enum member or its value)."""
+    return _REGISTRY[parse_backend(backend)]
