@@ -120,7 +120,7 @@ def _draft_weights(cfg: ModelConfig, stages: int) -> list[tuple[TensorSpec, str]
     for s in range(stages):
         prefix = f"mtp.{s}."
         out += [(dataclasses.replace(spec, name=prefix + name[len("layers.0."):]), disk[name].dtype)
-                for name, spec in dense.items()]
+                for name, spec in dense.items() if name.startswith("layers.0.")]
         extra = []
         if s == 0:
             extra += [("main_proj.weight", (d, taps * d), "F8_E4M3"), ("main_norm.weight", (d,), "BF16")]

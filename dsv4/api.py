@@ -24,10 +24,10 @@ _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float3
 class Model:
     """A loaded target tower with its op backend. Holds the parameters on device."""
 
-    def __init__(self, module: Transformer, backend: Backend, report: Any = None):
+    def __init__(self, module: Transformer, backend: Backend, load_summary: str = ""):
         self.config: ModelConfig = module.cfg
         self.backend = backend
-        self.load_report = report
+        self.load_summary = load_summary  # one line: what was loaded from where
         self._graphdef, self._state = nnx.split(module)
         ops = ops_for(backend)
         graphdef = self._graphdef
@@ -71,26 +71,40 @@ class Model:
         return ids.astype(np.int32)
 
 
-def load_pretrained(path: str | os.PathLike, *, dtype: str | Any = "bfloat16", backend: str | Backend = "reference",
-                    quantized: bool = False, fake_quant: bool | None = None) -> Model:
-    """Load a DeepSeek-V4 checkpoint directory (official safetensors format) for inference.
+def load_pretrained(path: str | os.PathLike, *, dtype: str | Any | None = None, backend: str | Backend = "reference",
+                    quantized: bool | None = None, fake_quant: bool | None = None) -> Model:
+    """Load a DeepSeek-V4 checkpoint directory for inference: the official safetensors format
+    (streamed tensor by tensor), or a directory written by `python -m checkpoints.convert`
+    (Orbax, restored directly; its dtype and quantization were fixed at conversion).
 
-    dtype: "bfloat16" (default) or "float32": activations and dense weights.
+    dtype: "bfloat16" or "float32": activations and dense weights. None: bfloat16 for an
+        official directory, as stored for a converted one.
     backend: hot-op implementation ("reference" = pure JAX).
     quantized: keep FP8/FP4 weights as on disk and dequantise inside the matmuls (saves memory);
-        False decodes them to `dtype` at load.
+        False decodes them to `dtype` at load. None: False for an official directory, as stored
+        for a converted one.
     fake_quant: the official KV/indexer QAT simulation; default on for FP8 checkpoints (as the
         official release) and off otherwise. Turn it off to compare with the HF port.
     """
     # Imported here: `checkpoints` depends on `dsv4`, not the other way round; this facade is
     # the one place the model package reaches the loader.
     from checkpoints.loader import load_checkpoint
+    from checkpoints.orbax_io import is_converted, restore_converted
 
-    if isinstance(dtype, str):
+    converted = is_converted(path)
+    if dtype is None:
+        dtype = None if converted else jnp.bfloat16
+    elif isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         dtype = _DTYPES[dtype]
     backend = parse_backend(backend)
+    if converted:
+        # Storage (dtype, quantized) was fixed at conversion: None accepts it, a different request raises.
+        module, manifest = restore_converted(path, dtype=dtype, quantized=quantized, fake_quant=fake_quant)
+        summary = (f"restored {path} (converted: dtype {manifest['dtype']}, quantized={manifest['quantized']}, "
+                   f"{len(manifest.get('draft_tensors', []))} draft tensors listed)")
+        return Model(module, backend, summary)
     overrides = {} if fake_quant is None else {"fake_quant": fake_quant}
-    module, report = load_checkpoint(path, dtype=dtype, quantized=quantized, config_overrides=overrides)
-    return Model(module, backend, report)
+    module, report = load_checkpoint(path, dtype=dtype, quantized=bool(quantized), config_overrides=overrides)
+    return Model(module, backend, report.summary())

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model.config
     print(f"loaded {model_dir} in {time.perf_counter() - t0:.1f}s: {cfg.num_hidden_layers} layers, "
           f"vocab {cfg.vocab_size}{' (demo model: random weights, output is noise)' if not args.model else ''}")
-    print(model.load_report.summary())
+    print(model.load_summary)
     tok = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     rng = np.random.default_rng(args.seed)
     for prompt in args.prompt or ["Hello, DeepSeek-V4!"]:

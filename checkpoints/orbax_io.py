@@ -1,0 +1,272 @@
+"""Converted checkpoints: the tower's parameter state as an Orbax checkpoint.
+
+Converting once (`python -m checkpoints.convert`) replaces the official safetensors' name
+remapping, expert stacking and (optionally) FP8/FP4 decoding with a direct Orbax restore in
+which every array is read straight into its sharding.
+
+Directory layout (`dst/`):
+
+    params/                 Orbax (StandardCheckpointer) checkpoint of the parameter state, a
+                            nested dict keyed by the NNX path (layer indices as strings)
+    config.json             `ModelConfig.to_hf_json()` of the stored model
+    params_index.json       official name -> {"dtype", "shape"} of every stored parameter
+    dsv4_checkpoint.json    the manifest: {"format": "dsv4-orbax", "version": 1, "quantized",
+                            "dtype", "fake_quant", "draft_tensors": [names]}
+
+The manifest is written last, so its presence marks a complete directory (`is_converted`).
+`fake_quant` lives in the manifest because `config.json` cannot express it (the official
+format implies it from the weight format, which a dequantized conversion no longer has).
+Draft-module (`mtp.*`) tensors are listed by name only; their values are not converted.
+
+Only process 0 writes the JSON files; Orbax coordinates the array writes itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Callable, Iterable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from checkpoints.inventory import abstract_model, path_name
+from checkpoints.safetensors_io import CheckpointError
+from dsv4.config import ModelConfig
+from dsv4.model import Transformer, storage_config
+
+FORMAT = "dsv4-orbax"
+VERSION = 1
+MANIFEST_FILE = "dsv4_checkpoint.json"
+CONFIG_FILE = "config.json"
+INDEX_FILE = "params_index.json"
+PARAMS_DIR = "params"
+# Everything save_converted writes; a directory holding only these may be overwritten.
+_OWN_ENTRIES = frozenset({MANIFEST_FILE, CONFIG_FILE, INDEX_FILE, PARAMS_DIR})
+
+DTYPES: dict[str, jnp.dtype] = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+# Maps a parameter's official (stacked) name to where it should live; None = default device.
+ShardingFn = Callable[[str], jax.sharding.Sharding | None]
+
+
+def is_converted(path: str | os.PathLike) -> bool:
+    """True when `path` is a (complete) converted directory: its manifest exists."""
+    return os.path.isfile(os.path.join(os.fspath(path), MANIFEST_FILE))
+
+
+def check_destination(dst: str | os.PathLike, *, overwrite: bool = False) -> None:
+    """Raise FileExistsError unless `save_converted(dst, overwrite=overwrite)` may write there.
+
+    A missing or empty directory is always fine. With `overwrite`, a directory holding only
+    what a conversion writes (complete or interrupted) may be replaced; anything else (an
+    official checkpoint, a home directory) is never deleted.
+    """
+    dst = os.fspath(dst)
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise FileExistsError(f"{dst}: exists and is not a directory")
+    entries = set(os.listdir(dst)) if os.path.isdir(dst) else set()
+    if not entries:
+        return
+    if not overwrite:
+        raise FileExistsError(f"{dst}: directory is not empty; pass overwrite=True (--overwrite) to replace "
+                              f"a converted checkpoint, or choose a new directory")
+    foreign = sorted(entries - _OWN_ENTRIES)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise FileExistsError(f"{dst}: refusing to overwrite a directory that is not a converted checkpoint "
+                              f"(it holds {shown}); choose a new or empty directory")
+
+
+def save_converted(model: Transformer, dst: str | os.PathLike, *, quantized: bool, dtype_name: str,
+                   draft_tensors: Mapping[str, object] | Iterable[str] | None = None,
+                   overwrite: bool = False) -> dict:
+    """Write `model`'s parameter state and config to `dst`; returns the manifest.
+
+    quantized / dtype_name: how `model` was loaded (`load_checkpoint(quantized=, dtype=)`); the
+    state must be exactly what `abstract_model(storage_config(cfg, quantized), dtype)` builds,
+    so `restore_converted` can rebuild it. draft_tensors: names (or a name-keyed mapping, such
+    as `LoadReport.draft_tensors`) of draft-module tensors the source held, recorded by name.
+    """
+    dst = os.fspath(dst)
+    if dtype_name not in DTYPES:
+        raise ValueError(f"dtype_name must be one of {sorted(DTYPES)}, got {dtype_name!r}")
+    cfg = model.cfg
+    hf_json = cfg.to_hf_json()
+    _check_config_round_trip(cfg, hf_json)
+    _, state = nnx.split(model)
+    flat = list(nnx.to_flat_state(state))
+    index = {path_name(p): _spec_json(v.get_value()) for p, v in flat}
+    expected = _expected_index(cfg, quantized, DTYPES[dtype_name])
+    if index != expected:
+        raise ValueError(f"model parameters do not match quantized={quantized}, dtype={dtype_name!r}: "
+                         f"{_index_diff(expected, index, 'expected', 'model has')}")
+    check_destination(dst, overwrite=overwrite)
+
+    primary = jax.process_index() == 0
+    if primary and os.path.isdir(dst):
+        # Manifest first: an interrupted overwrite must not look complete.
+        for name in (MANIFEST_FILE, CONFIG_FILE, INDEX_FILE):
+            if os.path.exists(os.path.join(dst, name)):
+                os.remove(os.path.join(dst, name))
+        shutil.rmtree(os.path.join(dst, PARAMS_DIR), ignore_errors=True)
+    if primary:
+        os.makedirs(dst, exist_ok=True)
+    tree = _nested({tuple(p): v.get_value() for p, v in flat})
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.abspath(os.path.join(dst, PARAMS_DIR)), tree)
+        ckptr.wait_until_finished()
+
+    names = sorted(draft_tensors) if draft_tensors is not None else []
+    manifest = {"format": FORMAT, "version": VERSION, "quantized": bool(quantized), "dtype": dtype_name,
+                "fake_quant": bool(cfg.fake_quant), "draft_tensors": names}
+    if primary:
+        _write_json(os.path.join(dst, CONFIG_FILE), hf_json)
+        _write_json(os.path.join(dst, INDEX_FILE), index)
+        _write_json(os.path.join(dst, MANIFEST_FILE), manifest)
+    return manifest
+
+
+def read_manifest(src: str | os.PathLike) -> dict:
+    """The validated manifest of a converted directory (CheckpointError if absent or foreign)."""
+    src = os.fspath(src)
+    path = os.path.join(src, MANIFEST_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{src}: not a converted checkpoint ({MANIFEST_FILE} not found); "
+                              f"convert it with `python -m checkpoints.convert`")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else manifest
+        raise CheckpointError(f"{path}: format is {got!r}, expected {FORMAT!r}")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{path}: version {manifest.get('version')!r} is not supported "
+                              f"(this code reads version {VERSION}); re-convert the checkpoint")
+    problems = []
+    if not isinstance(manifest.get("quantized"), bool):
+        problems.append(f"quantized must be true/false, got {manifest.get('quantized')!r}")
+    if manifest.get("dtype") not in DTYPES:
+        problems.append(f"dtype must be one of {sorted(DTYPES)}, got {manifest.get('dtype')!r}")
+    if not isinstance(manifest.get("fake_quant"), bool):
+        problems.append(f"fake_quant must be true/false, got {manifest.get('fake_quant')!r}")
+    if not isinstance(manifest.get("draft_tensors"), list):
+        problems.append(f"draft_tensors must be a list of names, got {manifest.get('draft_tensors')!r}")
+    if problems:
+        raise CheckpointError(f"{path}: " + "; ".join(problems))
+    return manifest
+
+
+def restore_converted(src: str | os.PathLike, *, sharding: ShardingFn | None = None,
+                      fake_quant: bool | None = None, dtype: str | jnp.dtype | None = None,
+                      quantized: bool | None = None) -> tuple[Transformer, dict]:
+    """Rebuild the tower from a converted directory; returns (model, manifest).
+
+    sharding: where each parameter goes, by official stacked name (as `load_checkpoint`);
+    None, or a None answer, means the first device. Orbax reads each array straight into
+    its sharding. fake_quant: override the stored QAT-simulation flag (it changes numerics,
+    not parameters). dtype / quantized: what the caller expects; None accepts what was
+    stored, anything else must match it (weights are never re-encoded at restore).
+    """
+    src = os.fspath(src)
+    manifest = read_manifest(src)
+    stored_dtype = DTYPES[manifest["dtype"]]
+    if dtype is not None and jnp.dtype(dtype) != jnp.dtype(stored_dtype):
+        raise ValueError(f"{src} was converted with dtype {manifest['dtype']}, not {jnp.dtype(dtype).name}; "
+                         f"load it with that dtype or re-convert with --dtype {jnp.dtype(dtype).name}")
+    if quantized is not None and quantized != manifest["quantized"]:
+        flag = "--quantized" if quantized else "--dequantize"
+        raise ValueError(f"{src} was converted with quantized={manifest['quantized']}; load it with "
+                         f"quantized={manifest['quantized']} or re-convert with {flag}")
+    try:
+        cfg = ModelConfig.from_hf_json(src, fake_quant=manifest["fake_quant"] if fake_quant is None else fake_quant)
+    except FileNotFoundError:
+        raise CheckpointError(f"{src}: {CONFIG_FILE} not found next to {MANIFEST_FILE}") from None
+    params_dir = os.path.abspath(os.path.join(src, PARAMS_DIR))
+    if not os.path.isdir(params_dir):
+        raise CheckpointError(f"{src}: {PARAMS_DIR}/ not found next to {MANIFEST_FILE}")
+
+    model = abstract_model(storage_config(cfg, manifest["quantized"]), stored_dtype)
+    graphdef, state = nnx.split(model)
+    flat = list(nnx.to_flat_state(state))
+    index_path = os.path.join(src, INDEX_FILE)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            stored = json.load(f)
+        expected = {path_name(p): _spec_json(v.get_value()) for p, v in flat}
+        if stored != expected:
+            raise CheckpointError(f"{src}: stored parameters do not match the model this code builds from "
+                                  f"{CONFIG_FILE}: {_index_diff(expected, stored, 'model expects', 'stored')}")
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def target(path, leaf) -> jax.ShapeDtypeStruct:
+        dest = sharding(path_name(path)) if sharding is not None else None
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=dest if dest is not None else default)
+
+    abstract = _nested({tuple(p): target(p, v.get_value()) for p, v in flat})
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(params_dir, abstract)
+    values = _flatten(restored)
+    state = nnx.from_flat_state([(p, v.replace(values[tuple(str(k) for k in p)])) for p, v in flat])
+    return nnx.merge(graphdef, state), manifest
+
+
+# ---- helpers ------------------------------------------------------------------------------
+def _check_config_round_trip(cfg: ModelConfig, hf_json: dict) -> None:
+    back = ModelConfig.from_hf_json(hf_json, fake_quant=cfg.fake_quant)
+    if back != cfg:
+        diff = [f"{f}: {getattr(cfg, f)!r} -> {getattr(back, f)!r}" for f in cfg.__dataclass_fields__
+                if getattr(cfg, f) != getattr(back, f)]
+        raise ValueError("the model config does not survive config.json; fields that change: " + "; ".join(diff))
+
+
+def _expected_index(cfg: ModelConfig, quantized: bool, dtype: jnp.dtype) -> dict:
+    _, state = nnx.split(abstract_model(storage_config(cfg, quantized), dtype))
+    return {path_name(p): _spec_json(v.get_value()) for p, v in nnx.to_flat_state(state)}
+
+
+def _spec_json(leaf) -> dict:
+    return {"dtype": np.dtype(leaf.dtype).name, "shape": [int(s) for s in leaf.shape]}
+
+
+def _index_diff(a: dict, b: dict, a_name: str, b_name: str) -> str:
+    lines = [f"{n}: {a_name} {_fmt(a.get(n))}, {b_name} {_fmt(b.get(n))}"
+             for n in sorted(set(a) | set(b)) if a.get(n) != b.get(n)]
+    return "; ".join(lines[:10]) + (f"; ... and {len(lines) - 10} more" if len(lines) > 10 else "")
+
+
+def _fmt(spec: dict | None) -> str:
+    return "nothing" if spec is None else f"{spec['dtype']}{spec['shape']}"
+
+
+def _nested(flat: Mapping[tuple, object]) -> dict:
+    """{(a, 0, b): x} -> {"a": {"0": {"b": x}}}: string keys, which every Orbax version accepts."""
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(str(key), {})
+        node[str(path[-1])] = value
+    return out
+
+
+def _flatten(tree: Mapping, prefix: tuple = ()) -> dict[tuple[str, ...], object]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, prefix + (key,)))
+        else:
+            out[prefix + (key,)] = value
+    return out
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")

@@ -1,0 +1,272 @@
+"""Tests for checkpoints/convert.py and checkpoints/orbax_io.py.
+
+The oracle is the safetensors loader: a converted-then-restored model must hold exactly the
+arrays `load_checkpoint` builds from the same directory (every leaf, bit for bit, dtype
+included) and so give identical logits. Both storage modes are covered (quantized keeps
+float8 / uint8 / int8 leaves, dequantized holds dense ones).
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from checkpoints import orbax_io
+from checkpoints.convert import main
+from checkpoints.inventory import path_name
+from checkpoints.loader import load_checkpoint
+from checkpoints.safetensors_io import CheckpointError
+from checkpoints.testing import write_tiny_checkpoint
+from dsv4.config import TINY
+from dsv4.ops.registry import ops_for
+
+SEED = 7
+DRAFT_STAGES = 1
+
+
+@pytest.fixture(scope="module")
+def official(tmp_path_factory):
+    path = tmp_path_factory.mktemp("official")
+    write_tiny_checkpoint(TINY, path, SEED, quantized=True, float_dtype="F32", draft_stages=DRAFT_STAGES)
+    return path
+
+
+@pytest.fixture(scope="module")
+def converted(official, tmp_path_factory):
+    """mode -> (converted directory, CLI exit code)."""
+    root = tmp_path_factory.mktemp("converted")
+    out = {}
+    for mode, flag in (("quantized", "--quantized"), ("dequantized", "--dequantize")):
+        dst = root / mode
+        out[mode] = (dst, main([str(official), str(dst), flag, "--dtype", "bfloat16"]))
+    return out
+
+
+def _leaves(model) -> dict[str, jax.Array]:
+    _, state = nnx.split(model)
+    return {path_name(p): v.get_value() for p, v in nnx.to_flat_state(state)}
+
+
+def _differences(a: dict, b: dict) -> list[str]:
+    """Names whose presence, dtype, shape or bytes differ between two leaf dicts."""
+    bad = sorted(set(a) ^ set(b))
+    for name in sorted(set(a) & set(b)):
+        x, y = np.asarray(a[name]), np.asarray(b[name])
+        if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
+            bad.append(name)
+    return bad
+
+
+@jax.jit(static_argnums=0)
+def _forward(graphdef, state, ids):
+    return nnx.merge(graphdef, state).forward(ids, ops_for("reference"))
+
+
+def _logits(model) -> np.ndarray:
+    # Equal graphdefs share one compilation once both states are committed alike (the loader
+    # leaves arrays uncommitted, Orbax commits them; placement does not change values).
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, TINY.vocab_size, (2, 40)), jnp.int32)
+    graphdef, state = nnx.split(model)
+    state = jax.device_put(state, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    return np.asarray(_forward(graphdef, state, ids))
+
+
+@pytest.mark.parametrize("mode", ["quantized", "dequantized"])
+def test_restore_is_bit_identical_to_direct_load(official, converted, mode):
+    dst, rc = converted[mode]
+    assert rc == 0
+    direct, _ = load_checkpoint(official, dtype=jnp.bfloat16, quantized=mode == "quantized")
+    restored, manifest = orbax_io.restore_converted(dst)
+    assert restored.cfg == direct.cfg
+    a, b = _leaves(direct), _leaves(restored)
+    assert len(a) > 50
+    assert _differences(a, b) == []
+    dtypes = {np.dtype(v.dtype).name for v in b.values()}
+    if mode == "quantized":
+        assert {"float8_e4m3fn", "uint8", "int8", "int32"} <= dtypes
+    else:
+        assert "float8_e4m3fn" not in dtypes and "bfloat16" in dtypes
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    assert all(v.sharding == default for v in b.values())
+    np.testing.assert_array_equal(_logits(restored), _logits(direct))
+
+
+def test_difference_check_sees_one_flipped_bit(official, converted):
+    # The comparison above must be able to fail: flip one bit of one FP8 code.
+    restored, _ = orbax_io.restore_converted(converted["quantized"][0])
+    a = _leaves(restored)
+    name = next(n for n, v in a.items() if v.dtype == jnp.float8_e4m3fn)
+    b = dict(a)
+    flipped = np.asarray(a[name]).copy()
+    flipped.view(np.uint8).reshape(-1)[0] ^= 1
+    b[name] = flipped
+    assert _differences(a, b) == [name]
+    b[name] = np.asarray(a[name]).astype(np.float32)
+    assert _differences(a, b) == [name]
+
+
+def test_manifest_and_config(official, converted):
+    for mode, quantized in (("quantized", True), ("dequantized", False)):
+        dst = converted[mode][0]
+        assert orbax_io.is_converted(dst)
+        with open(dst / "dsv4_checkpoint.json") as f:
+            manifest = json.load(f)
+        with open(official / "model.safetensors.index.json") as f:
+            drafts = sorted(n for n in json.load(f)["weight_map"] if n.startswith("mtp."))
+        assert drafts
+        assert manifest == {"format": "dsv4-orbax", "version": 1, "quantized": quantized, "dtype": "bfloat16",
+                            "fake_quant": True, "draft_tensors": drafts}
+    # fake_quant survives although the dequantized config.json has no FP8 weights to imply it.
+    restored, _ = orbax_io.restore_converted(converted["dequantized"][0])
+    assert restored.cfg.fake_quant
+    assert not orbax_io.is_converted(official)
+
+
+def test_fake_quant_flag_and_dtype_float32(official, tmp_path):
+    dst = tmp_path / "f32"
+    assert main([str(official), str(dst), "--dequantize", "--dtype", "float32", "--fake-quant", "off"]) == 0
+    restored, manifest = orbax_io.restore_converted(dst)
+    assert manifest["dtype"] == "float32" and manifest["fake_quant"] is False
+    assert not restored.cfg.fake_quant
+    direct, _ = load_checkpoint(official, dtype=jnp.float32, config_overrides={"fake_quant": False})
+    assert _differences(_leaves(direct), _leaves(restored)) == []
+
+
+def test_restore_sharding_callable_gets_official_names(converted):
+    dst = converted["quantized"][0]
+    device = jax.devices()[-1]
+    asked = []
+
+    def sharding(name):
+        asked.append(name)
+        return jax.sharding.SingleDeviceSharding(device) if name.startswith("layers.") else None
+
+    restored, _ = orbax_io.restore_converted(dst, sharding=sharding)
+    leaves = _leaves(restored)
+    assert sorted(asked) == sorted(leaves)
+    assert "layers.1.ffn.experts.w1.weight" in asked and "embed.weight" in asked
+    assert all(v.sharding.device_set == {device} for v in leaves.values())
+
+
+def test_restore_checks_expectations(converted):
+    dst = converted["quantized"][0]
+    with pytest.raises(ValueError, match="quantized=True"):
+        orbax_io.restore_converted(dst, quantized=False)
+    with pytest.raises(ValueError, match="dtype bfloat16"):
+        orbax_io.restore_converted(dst, dtype=jnp.float32)
+    model, _ = orbax_io.restore_converted(dst, quantized=True, dtype="bfloat16", fake_quant=False)
+    assert not model.cfg.fake_quant
+
+
+def test_overwrite_refused_then_allowed(official, converted, tmp_path, capsys):
+    dst = converted["quantized"][0]
+    before = (dst / "dsv4_checkpoint.json").read_text()
+    assert main([str(official), str(dst)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert (dst / "dsv4_checkpoint.json").read_text() == before
+
+    copy = tmp_path / "again"
+    assert main([str(official), str(copy)]) == 0
+    assert main([str(official), str(copy), "--dequantize", "--overwrite"]) == 0
+    _, manifest = orbax_io.restore_converted(copy)
+    assert manifest["quantized"] is False
+
+    # Never deletes a directory it did not write, even with --overwrite.
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    assert main([str(official), str(foreign), "--overwrite"]) == 2
+    assert "not a converted checkpoint" in capsys.readouterr().err
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_bad_source_exits_2_naming_the_problem(official, tmp_path, capsys):
+    missing = tmp_path / "missing"
+    assert main([str(missing), str(tmp_path / "o1")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(missing) in err and "no such directory" in err
+    assert err.count("\n") == 1
+
+    # A directory without safetensors shards.
+    empty = tmp_path / "no_shards"
+    empty.mkdir()
+    (empty / "config.json").write_text((official / "config.json").read_text())
+    assert main([str(empty), str(tmp_path / "o2")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "model.safetensors" in err and err.count("\n") == 1
+
+    # A config.json that does not fit the shards: the loader's error names the tensors.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in os.listdir(official):
+        if f != "config.json":
+            os.symlink(official / f, broken / f)
+    cfg = json.loads((official / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**cfg, "moe_intermediate_size": 64}))
+    assert main([str(broken), str(tmp_path / "o3")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert "problem(s)" in err and "layers.0.ffn.experts." in err
+    assert not os.path.exists(tmp_path / "o1") and not os.path.exists(tmp_path / "o3")
+
+
+def test_progress_lines(official, tmp_path, capsys):
+    dst = tmp_path / "out"
+    assert main([str(official), str(dst)]) == 0
+    out = capsys.readouterr().out
+    assert f"loading {official}" in out
+    assert "tower tensors" in out and "MiB" in out
+    assert f"writing {dst}" in out
+    assert out.strip().splitlines()[-1].startswith(f"done: {official} -> {dst}")
+
+
+def test_restore_errors(converted, official, tmp_path):
+    with pytest.raises(CheckpointError, match="not a converted checkpoint"):
+        orbax_io.restore_converted(official)
+
+    def tampered(name, edit):
+        dst = tmp_path / name
+        src = converted["quantized"][0]
+        dst.mkdir()
+        for f in os.listdir(src):
+            os.symlink(src / f, dst / f)
+        for f in ("dsv4_checkpoint.json", "config.json"):
+            os.remove(dst / f)
+            (dst / f).write_text((src / f).read_text())
+        edit(dst)
+        return dst
+
+    def edit_json(file, **changes):
+        def edit(dst):
+            obj = json.loads((dst / file).read_text())
+            obj.update(changes)
+            (dst / file).write_text(json.dumps(obj))
+        return edit
+
+    with pytest.raises(CheckpointError, match="format is 'other'"):
+        orbax_io.restore_converted(tampered("fmt", edit_json("dsv4_checkpoint.json", format="other")))
+    with pytest.raises(CheckpointError, match="version 9"):
+        orbax_io.restore_converted(tampered("ver", edit_json("dsv4_checkpoint.json", version=9)))
+    with pytest.raises(CheckpointError, match="dtype must be one of"):
+        orbax_io.restore_converted(tampered("dt", edit_json("dsv4_checkpoint.json", dtype="int4")))
+    # Claiming dense storage for quantized arrays: the stored parameters no longer fit.
+    with pytest.raises(CheckpointError, match=r"stored parameters do not match.*float8_e4m3fn"):
+        orbax_io.restore_converted(tampered("q", edit_json("dsv4_checkpoint.json", quantized=False)))
+    # A config.json that describes a different model.
+    with pytest.raises(CheckpointError, match="stored parameters do not match"):
+        orbax_io.restore_converted(tampered("cfg", edit_json("config.json", moe_intermediate_size=64)))
+    with pytest.raises(CheckpointError, match="config.json not found"):
+        orbax_io.restore_converted(tampered("nocfg", lambda d: os.remove(d / "config.json")))
+
+
+def test_save_refuses_mismatched_description(official, tmp_path):
+    model, _ = load_checkpoint(official, dtype=jnp.bfloat16, quantized=True)
+    with pytest.raises(ValueError, match="quantized=False"):
+        orbax_io.save_converted(model, tmp_path / "x", quantized=False, dtype_name="bfloat16")
+    with pytest.raises(ValueError, match="dtype_name"):
+        orbax_io.save_converted(model, tmp_path / "y", quantized=True, dtype_name="fp8")
+    assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
