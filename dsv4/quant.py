@@ -248,6 +248,21 @@ def _round_e2m1(y: jax.Array) -> jax.Array:
     return jnp.copysign(jnp.round(mag / step) * step, y)
 
 
+def _round_e4m3(y: jax.Array) -> jax.Array:
+    """Round f32 to the nearest float8_e4m3fn value (ties to even), saturating at +-448.
+
+    Arithmetic, not astype(float8_e4m3fn).astype(float32): XLA on GPU removes such a convert
+    round trip (excess-precision simplification), which silently skipped the fake quant on the
+    H200. e4m3fn has 3 mantissa bits, so on the binade [2^(e-1), 2^e) the grid step is
+    2^(e-4); subnormals (below 2^-6) share the step 2^-9. round-half-even of y / step is then
+    exactly ties-to-even; the test checks it against ml_dtypes.
+    """
+    mag = jnp.minimum(jnp.abs(y), _FP8_MAX)
+    _, e = jnp.frexp(mag)
+    step = jnp.ldexp(jnp.ones_like(mag), jnp.maximum(e - 4, -9))
+    return jnp.copysign(jnp.round(mag / step) * step, y)
+
+
 @jax.jit
 def quant_fp4(w_f32: ArrayLike) -> tuple[jax.Array, jax.Array]:
     """Inverse of ``dequant_fp4`` for writing test checkpoints: (int8 packed [..., K/2], uint8 scale).
@@ -278,7 +293,7 @@ def fake_quant_fp8(x: ArrayLike, block: int = 64) -> jax.Array:
     d = x.shape[-1]
     g = _group_last(x.astype(jnp.float32), block)
     scale = _block_scale(jnp.max(jnp.abs(g), axis=-1, keepdims=True), _FP8_MAX)
-    q = (g / scale).astype(jnp.float8_e4m3fn).astype(jnp.float32) * scale
+    q = _round_e4m3(g / scale) * scale
     return q.reshape(*x.shape[:-1], -1)[..., :d].astype(x.dtype)
 
 

@@ -395,3 +395,16 @@ def test_functions_are_jittable():
     np.testing.assert_array_equal(
         _np(jax.jit(quant.fake_quant_indexer)(kv[:, :128])), _np(quant.fake_quant_indexer(kv[:, :128]))
     )
+
+
+def test_round_e4m3_matches_ml_dtypes_on_every_tie_and_binade():
+    from dsv4.quant import _round_e4m3
+
+    grid = np.asarray(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max, np.float32)
+    codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    finite = np.unique(codes[np.isfinite(codes)])
+    mids = (finite[1:] + finite[:-1]) / 2  # exact ties
+    probes = np.concatenate([finite, mids, mids * (1 + 1e-6), mids * (1 - 1e-6),
+                             np.linspace(-grid, grid, 4001, dtype=np.float32)]).astype(np.float32)
+    expected = probes.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(_round_e4m3(jnp.asarray(probes))), expected)
