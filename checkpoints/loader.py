@@ -21,6 +21,7 @@ from flax import nnx
 
 from checkpoints.inventory import DRAFT_PREFIX, TensorSpec, abstract_model, path_name, tower_inventory
 from checkpoints.safetensors_io import FLOAT_DTYPES, CheckpointError, CheckpointReader, TensorRef
+from dsv4 import quant
 from dsv4.config import ModelConfig, WeightFormat
 from dsv4.model import Transformer, storage_config
 
@@ -137,8 +138,6 @@ def _load_param(reader: CheckpointReader, specs: list[TensorSpec], target: jax.S
 def _decode(reader: CheckpointReader, name: str, data: np.ndarray, target: jax.ShapeDtypeStruct,
             cfg: ModelConfig) -> jax.Array:
     """Dequantise an FP8 / FP4 weight to a dense target (dequantise-at-load mode)."""
-    from dsv4 import quant
-
     scale_name = name.rsplit(".", 1)[0] + ".scale"
     if not name.endswith(".weight") or scale_name not in reader:
         raise CheckpointError(f"tensor {name}: {data.dtype}{list(data.shape)} cannot fill "

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Callable, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from checkpoints.inventory import abstract_model, path_name
+from checkpoints.loader import ShardingFn
 from checkpoints.safetensors_io import CheckpointError
 from dsv4.config import ModelConfig
 from dsv4.model import Transformer, storage_config
@@ -50,8 +51,6 @@ _OWN_ENTRIES = frozenset({MANIFEST_FILE, CONFIG_FILE, INDEX_FILE, PARAMS_DIR})
 
 DTYPES: dict[str, jnp.dtype] = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
-# Maps a parameter's official (stacked) name to where it should live; None = default device.
-ShardingFn = Callable[[str], jax.sharding.Sharding | None]
 
 
 def is_converted(path: str | os.PathLike) -> bool:

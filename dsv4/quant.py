@@ -280,6 +280,15 @@ def quant_fp4(w_f32: ArrayLike) -> tuple[jax.Array, jax.Array]:
     return _pack_codes(_fp4_codes(vals)), float_to_e8m0(scale)
 
 
+def _fake_quant(x: jax.Array, block: int, qmax: float, round_fn) -> jax.Array:
+    """Shared body of the fake quantisers: per-block power-of-two scale, round, dequantise, recast."""
+    d = x.shape[-1]
+    g = _group_last(x.astype(jnp.float32), block)
+    scale = _block_scale(jnp.max(jnp.abs(g), axis=-1, keepdims=True), qmax)
+    q = round_fn(g / scale) * scale
+    return q.reshape(*x.shape[:-1], -1)[..., :d].astype(x.dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("block",))
 def fake_quant_fp8(x: ArrayLike, block: int = 64) -> jax.Array:
     """QAT simulation of REF's FP8 KV (spec 6.3): quantise to e4m3 and straight back, in f32.
@@ -289,12 +298,7 @@ def fake_quant_fp8(x: ArrayLike, block: int = 64) -> jax.Array:
     zero-padded (zeros do not change its amax) and sliced off. The result is idempotent and, for
     bf16 x, exactly representable in bf16 (3 mantissa bits times a power of two).
     """
-    x = jnp.asarray(x)
-    d = x.shape[-1]
-    g = _group_last(x.astype(jnp.float32), block)
-    scale = _block_scale(jnp.max(jnp.abs(g), axis=-1, keepdims=True), _FP8_MAX)
-    q = _round_e4m3(g / scale) * scale
-    return q.reshape(*x.shape[:-1], -1)[..., :d].astype(x.dtype)
+    return _fake_quant(jnp.asarray(x), block, _FP8_MAX, _round_e4m3)
 
 
 @functools.partial(jax.jit, static_argnames=("rope_dim",))
@@ -351,12 +355,7 @@ def fake_quant_fp4(x: ArrayLike, block: int = 32) -> jax.Array:
     two (the amax/6 rule is inferred in the spec), round to nearest e2m1, dequantise in f32 and
     cast back to x.dtype. A ragged last block is zero-padded for the amax.
     """
-    x = jnp.asarray(x)
-    d = x.shape[-1]
-    g = _group_last(x.astype(jnp.float32), block)
-    scale = _block_scale(jnp.max(jnp.abs(g), axis=-1, keepdims=True), _FP4_MAX)
-    q = _round_e2m1(g / scale) * scale
-    return q.reshape(*x.shape[:-1], -1)[..., :d].astype(x.dtype)
+    return _fake_quant(jnp.asarray(x), block, _FP4_MAX, _round_e2m1)
 
 
 @jax.jit
