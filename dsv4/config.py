@@ -223,7 +223,9 @@ class ModelConfig:
         ones the official checkpoints ship (`compress_ratios`, `compress_rate_csa/hca`,
         `num_hash_layers`, `qk_rope_head_dim`, flat `rope_scaling`). `compress_ratios` is
         longer than the tower (trailing entries belong to the draft stages) and is truncated.
-        `overrides` replace fields after parsing (e.g. `fake_quant=False`).
+        `fake_quant` follows the weight format: on for FP8 checkpoints (the official release
+        ran its QAT simulation), off otherwise. `overrides` replace fields after parsing
+        (e.g. `fake_quant=False` for parity with the Hugging Face port).
         """
         if not isinstance(cfg, Mapping):
             path = os.fspath(cfg)
@@ -281,7 +283,7 @@ class ModelConfig:
             "eos_token_id": self.eos_token_id,
             "tie_word_embeddings": False,
             "torch_dtype": "bfloat16",
-            "num_nextn_predict_layers": max(self.num_draft_stages, 1) if self.num_draft_stages else 0,
+            "num_nextn_predict_layers": self.num_draft_stages,
         }
         if self.yarn is not None:
             out["rope_scaling"] = {
