@@ -41,6 +41,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _ProgressPrinter:
+    """Prints a line at every tenth of the parameters placed (and the last one)."""
+
+    def __init__(self, t0: float):
+        self.t0, self.next_tenth = t0, 1
+
+    def __call__(self, done: int, total: int, n_bytes: int) -> None:
+        if done * 10 >= self.next_tenth * total or done == total:
+            print(f"  {done}/{total} parameters, {n_bytes / 2**20:.1f} MiB, {time.perf_counter() - self.t0:.1f} s",
+                  flush=True)
+            self.next_tenth = done * 10 // total + 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Imported here so `--help` and argument errors stay instant.
@@ -60,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         check_destination(dst, overwrite=args.overwrite)
         print(f"loading {src} ({mode}, dtype {args.dtype}, fake_quant {args.fake_quant})", flush=True)
         model, report = load_checkpoint(src, dtype=DTYPES[args.dtype], quantized=args.quantized,
-                                        config_overrides=overrides)
+                                        config_overrides=overrides, progress=_ProgressPrinter(t0))
         t1 = time.perf_counter()
         print(f"{report.summary()} in {t1 - t0:.1f} s", flush=True)
         print(f"writing {dst} (fake_quant {model.cfg.fake_quant})", flush=True)

@@ -27,6 +27,8 @@ from dsv4.model import Transformer, storage_config
 
 # Maps a parameter's official (stacked) name to where it should live; None = default device.
 ShardingFn = Callable[[str], jax.sharding.Sharding | None]
+# Called after each parameter is placed: (parameters done, parameters in all, bytes placed so far).
+ProgressFn = Callable[[int, int, int], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,13 +85,15 @@ def _host_value(reader: CheckpointReader, spec: TensorSpec, target_dtype: np.dty
 
 def load_checkpoint(directory: str | os.PathLike, *, dtype: jnp.dtype = jnp.bfloat16, quantized: bool = False,
                     config_overrides: dict | None = None, sharding: ShardingFn | None = None,
-                    ) -> tuple[Transformer, LoadReport]:
+                    progress: ProgressFn | None = None) -> tuple[Transformer, LoadReport]:
     """Build the tower from an official checkpoint directory.
 
     dtype: dtype of dense weights and activations. quantized: keep FP8/FP4 tensors as on
     disk and dequantise inside the matmuls (else decode them to `dtype` at load).
     config_overrides: ModelConfig fields to replace (e.g. `fake_quant=False`).
     sharding: where each parameter goes (by official stacked name); default device if None.
+    progress: called after each parameter is placed (a full checkpoint has ~1,300 stacked
+    parameters and takes minutes to stream).
     """
     directory = os.fspath(directory)
     cfg = ModelConfig.from_hf_json(directory, **(config_overrides or {}))
@@ -104,13 +108,16 @@ def load_checkpoint(directory: str | os.PathLike, *, dtype: jnp.dtype = jnp.bflo
             by_path.setdefault(spec.path, []).append(spec)
         n_bytes = 0
         flat = []
-        for path, var in nnx.to_flat_state(state):
+        entries = list(nnx.to_flat_state(state))
+        for i, (path, var) in enumerate(entries):
             target = var.get_value()
             specs = by_path[tuple(path)]
             value = _load_param(reader, specs, target, cfg, quantized, dtype)
             n_bytes += value.size * value.dtype.itemsize
             dest = sharding(path_name(path)) if sharding is not None else None
             flat.append((path, var.replace(jax.device_put(value, dest))))
+            if progress is not None:
+                progress(i + 1, len(entries), n_bytes)
         state = nnx.from_flat_state(flat)
         draft = {n: r for n, r in reader.refs.items() if n.startswith(DRAFT_PREFIX)}
         report = LoadReport(directory, len(inventory), n_bytes, draft)

@@ -357,6 +357,38 @@ def _kinds_from_ratios(ratios: list[Any], n_layers: int) -> tuple[list[Attention
     return kinds, (literal[0] if literal else None)
 
 
+def _parse_rope(cfg: Mapping[str, Any]) -> tuple[float, float, YarnScaling | None]:
+    """(main theta, compress theta, YaRN) from flat legacy keys or nested `rope_parameters`."""
+    rope_theta = float(_get(cfg, "rope_theta", default=10000.0))
+    compress_theta = float(_get(cfg, "compress_rope_theta", default=160000.0))
+    yarn = None
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, Mapping) and isinstance(rp.get("compress"), Mapping):
+        rope_theta = float(rp.get("main", {}).get("rope_theta", rope_theta))
+        compress_theta = float(rp["compress"].get("rope_theta", compress_theta))
+        scaling = rp["compress"]
+    else:
+        scaling = cfg.get("rope_scaling") or (rp if isinstance(rp, Mapping) else None)
+    if scaling:
+        rtype = scaling.get("rope_type", scaling.get("type", "default"))
+        if rtype == "yarn":
+            af = scaling.get("attention_factor")
+            if af not in (None, 1.0, 1):
+                raise ConfigError(f"rope_scaling.attention_factor: DeepSeek-V4 uses no YaRN mscale, got {af}")
+            for key in ("factor", "original_max_position_embeddings"):
+                if key not in scaling:
+                    raise ConfigError(f"rope_scaling.{key}: missing from the YaRN block")
+            yarn = YarnScaling(
+                factor=float(scaling["factor"]),
+                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+                beta_fast=float(scaling.get("beta_fast") or 32.0),
+                beta_slow=float(scaling.get("beta_slow") or 1.0),
+            )
+        elif rtype != "default":
+            raise ConfigError(f"rope_scaling.type: only 'yarn' is supported, got {rtype!r}")
+    return rope_theta, compress_theta, yarn
+
+
 def _parse_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Map a `config.json` dict (current or legacy names) onto ModelConfig fields."""
     model_type = cfg.get("model_type", "deepseek_v4")
@@ -406,30 +438,7 @@ def _parse_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
     else:
         rope_dim = 64
 
-    rope_theta = float(_get(cfg, "rope_theta", default=10000.0))
-    compress_theta = float(_get(cfg, "compress_rope_theta", default=160000.0))
-    yarn = None
-    rp = cfg.get("rope_parameters")
-    if isinstance(rp, Mapping) and isinstance(rp.get("compress"), Mapping):
-        rope_theta = float(rp.get("main", {}).get("rope_theta", rope_theta))
-        compress_theta = float(rp["compress"].get("rope_theta", compress_theta))
-        scaling = rp["compress"]
-    else:
-        scaling = cfg.get("rope_scaling") or (rp if isinstance(rp, Mapping) else None)
-    if scaling:
-        rtype = scaling.get("rope_type", scaling.get("type", "default"))
-        if rtype == "yarn":
-            af = scaling.get("attention_factor")
-            if af not in (None, 1.0, 1):
-                raise ConfigError(f"rope_scaling.attention_factor: DeepSeek-V4 uses no YaRN mscale, got {af}")
-            yarn = YarnScaling(
-                factor=float(scaling["factor"]),
-                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-                beta_fast=float(scaling.get("beta_fast") or 32.0),
-                beta_slow=float(scaling.get("beta_slow") or 1.0),
-            )
-        elif rtype != "default":
-            raise ConfigError(f"rope_scaling.type: only 'yarn' is supported, got {rtype!r}")
+    rope_theta, compress_theta, yarn = _parse_rope(cfg)
 
     n_kv = int(cfg.get("num_key_value_heads", 1))
     if n_kv != 1:
