@@ -198,3 +198,11 @@ def test_loader_places_each_tensor_with_its_sharding(dense_dir):
     model, _ = load_checkpoint(dense_dir, dtype=jnp.float32, sharding=sharding)
     assert "layers.1.ffn.experts.w1.weight" in seen and "embed.weight" in seen
     assert model.layers[1].ffn.experts.w1.weight[...].devices() == {device}
+
+
+def test_loader_reports_progress(dense_dir):
+    calls = []
+    _, report = load_checkpoint(dense_dir, dtype=jnp.float32, progress=lambda *a: calls.append(a))
+    done, total, n_bytes = zip(*calls)
+    assert list(done) == list(range(1, total[0] + 1)) and set(total) == {total[0]}
+    assert n_bytes[-1] == report.n_bytes and list(n_bytes) == sorted(n_bytes)
