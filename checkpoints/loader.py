@@ -112,7 +112,7 @@ def load_checkpoint(directory: str | os.PathLike, *, dtype: jnp.dtype = jnp.bflo
         for i, (path, var) in enumerate(entries):
             target = var.get_value()
             specs = by_path[tuple(path)]
-            value = _load_param(reader, specs, target, cfg, quantized, dtype)
+            value = _load_param(reader, specs, target, cfg)
             n_bytes += value.size * value.dtype.itemsize
             dest = sharding(path_name(path)) if sharding is not None else None
             flat.append((path, var.replace(jax.device_put(value, dest))))
@@ -127,35 +127,28 @@ def load_checkpoint(directory: str | os.PathLike, *, dtype: jnp.dtype = jnp.bflo
 
 
 def _load_param(reader: CheckpointReader, specs: list[TensorSpec], target: jax.ShapeDtypeStruct,
-                cfg: ModelConfig, quantized: bool, dtype: jnp.dtype) -> jax.Array:
-    """Read (and stack, and decode if asked) the tensors that fill one parameter."""
-    spec0 = specs[0]
-    if spec0.expert is None:
-        host = _host_value(reader, spec0, np.dtype(target.dtype))
-        if host.shape == tuple(target.shape) and host.dtype == target.dtype:
-            return jnp.asarray(host)
-        return _decode(reader, spec0.name, host, target, cfg)
-    # Routed experts: one tensor per expert, stacked along E in id order.
-    stacked = np.stack([_host_value(reader, s, np.dtype(target.dtype)) for s in sorted(specs, key=lambda s: s.expert)])
-    if stacked.shape == tuple(target.shape) and stacked.dtype == target.dtype:
-        return jnp.asarray(stacked)
-    return _decode(reader, spec0.name, stacked, target, cfg)
+                cfg: ModelConfig) -> jax.Array:
+    """Read the tensors that fill one parameter: one tensor, or one per routed expert stacked
+    along E in id order; decoded to the dense target when it is not stored as on disk."""
+    stacked = specs[0].expert is not None
+    specs = sorted(specs, key=lambda s: s.expert) if stacked else specs
+    values = [_host_value(reader, s, np.dtype(target.dtype)) for s in specs]
+    host = np.stack(values) if stacked else values[0]
+    if host.shape == tuple(target.shape) and host.dtype == target.dtype:
+        return jnp.asarray(host)
+    return _decode(reader, specs, host, target, cfg)
 
 
-def _decode(reader: CheckpointReader, name: str, data: np.ndarray, target: jax.ShapeDtypeStruct,
+def _decode(reader: CheckpointReader, specs: list[TensorSpec], data: np.ndarray, target: jax.ShapeDtypeStruct,
             cfg: ModelConfig) -> jax.Array:
-    """Dequantise an FP8 / FP4 weight to a dense target (dequantise-at-load mode)."""
-    scale_name = name.rsplit(".", 1)[0] + ".scale"
-    if not name.endswith(".weight") or scale_name not in reader:
-        raise CheckpointError(f"tensor {name}: {data.dtype}{list(data.shape)} cannot fill "
+    """Dequantise an FP8 / FP4 weight (one tensor or a stack of experts) to a dense target."""
+    scale_names = [s.name.rsplit(".", 1)[0] + ".scale" for s in specs]
+    if not specs[0].name.endswith(".weight") or any(n not in reader for n in scale_names):
+        raise CheckpointError(f"tensor {specs[0].name}: {data.dtype}{list(data.shape)} cannot fill "
                               f"{np.dtype(target.dtype)}{list(target.shape)}")
-    is_expert = ".ffn.experts." in name
-    if is_expert:
-        head, rest = name.split(".ffn.experts.")
-        tail = rest.split(".", 1)[1].rsplit(".", 1)[0]
-        scale = np.stack([reader.read(f"{head}.ffn.experts.{e}.{tail}.scale") for e in range(data.shape[0])])
-    else:
-        scale = reader.read(scale_name)
+    is_expert = specs[0].expert is not None
+    scales = [reader.read(n) for n in scale_names]
+    scale = np.stack(scales) if is_expert else scales[0]
     fmt = cfg.expert_format if is_expert else cfg.weight_format
     if fmt is WeightFormat.FP4:
         return quant.dequant_fp4(data, scale, target.dtype)
