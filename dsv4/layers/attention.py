@@ -11,16 +11,20 @@ de-rotated at the query position before the grouped low-rank output projection.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dsv4 import quant
+from dsv4.batch import StepContext
 from dsv4.config import AttentionKind, ModelConfig, WeightFormat
 from dsv4.layers.linear import Linear
 from dsv4.layers.norm import RMSNorm, rms_norm
 from dsv4.layers.rope import apply_rope, layer_frequencies
 from dsv4.ops.registry import OpSet
+from dsv4.state import CompressorRing, EntryTable, LayerState, StateGeometry
 
 
 class Compressor(nnx.Module):
@@ -41,6 +45,17 @@ class Compressor(nnx.Module):
         self.ape = nnx.Param(jnp.zeros((ratio, coff * dim), jnp.float32))
         self.norm = RMSNorm(dim, cfg.rms_norm_eps, param_dtype)
 
+    def project(self, x_TD: jax.Array, positions_T: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """f32 value and gate projections [..., coff*dim]; the gate includes ape[pos % ratio]."""
+        xf = x_TD.astype(jnp.float32)
+        return self.wkv(xf), self.wgate(xf) + self.ape[...][positions_T % self.ratio]
+
+    def pool(self, kv_XPd: jax.Array, gate_XPd: jax.Array, blocks_X: jax.Array, dtype, freqs) -> jax.Array:
+        """Entries [X, dim] from their P gathered slots: per-channel softmax over slots, RMSNorm,
+        RoPE at the entry's first position."""
+        pooled = jnp.sum(kv_XPd * jax.nn.softmax(gate_XPd, axis=-2), axis=-2)
+        return apply_rope(self.norm(pooled.astype(dtype)), blocks_X * self.ratio, freqs)
+
     def __call__(self, x_BTD: jax.Array, freqs: tuple[float, ...]) -> jax.Array:
         """Entries [B, T//ratio, dim] of the complete blocks of x (positions 0..T-1)."""
         b, t, _ = x_BTD.shape
@@ -48,9 +63,7 @@ class Compressor(nnx.Module):
         n = t // r
         if n == 0:  # shorter than one pool: nothing completed yet
             return jnp.zeros((b, 0, d), x_BTD.dtype)
-        xf = x_BTD[:, :n * r].astype(jnp.float32)
-        kv = self.wkv(xf)  # f32
-        gate = self.wgate(xf) + jnp.tile(self.ape[...], (n, 1))[None]
+        kv, gate = self.project(x_BTD[:, :n * r], jnp.arange(n * r))
         kv = kv.reshape(b, n, r, -1)
         gate = gate.reshape(b, n, r, -1)
         if self.overlap:
@@ -58,10 +71,45 @@ class Compressor(nnx.Module):
             prev_gate = jnp.pad(gate[:, :-1, :, :d], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=-jnp.inf)
             kv = jnp.concatenate([prev_kv, kv[..., d:]], axis=2)  # [B, n, 2r, d]
             gate = jnp.concatenate([prev_gate, gate[..., d:]], axis=2)
-        pooled = jnp.sum(kv * jax.nn.softmax(gate, axis=2), axis=2)  # [B, n, d]
-        entries = self.norm(pooled.astype(x_BTD.dtype))
-        positions = (jnp.arange(n) * r)[None, :]
-        return apply_rope(entries, positions, freqs)
+        return self.pool(kv, gate, jnp.arange(n)[None], x_BTD.dtype, freqs)
+
+    def step(self, x_TD: jax.Array, ctx: StepContext, ring: CompressorRing, ring_size: int,
+             freqs: tuple[float, ...]) -> tuple[CompressorRing, jax.Array, jax.Array, jax.Array]:
+        """Entries completed by the step's tokens.
+
+        Returns (ring', entries [X, dim], entry ids [X], token rows [X]) for X = the most
+        entries the bucket can complete; unused rows have token row T. An entry pools its
+        window's projections from the step's own rows where the request computed them in
+        this step, and from the slot's ring for earlier positions.
+        """
+        t = x_TD.shape[0]
+        r, d = self.ratio, self.dim
+        kv, gate = self.project(x_TD, ctx.positions)
+        closes = ctx.valid & (ctx.positions % r == r - 1)
+        (rows,) = jnp.nonzero(closes, size=min(t, t // r + ctx.num_requests), fill_value=t)
+        safe = jnp.minimum(rows, t - 1)
+        blocks = ctx.positions[safe] // r
+        span = (2 if self.overlap else 1) * r
+        key_pos = (blocks - (span // r - 1))[:, None] * r + jnp.arange(span)[None, :]
+        hist = ctx.history_rows(key_pos, ring_size, ring.kv.shape[0], tokens=safe)
+        from_step = hist >= ring.kv.shape[0]
+
+        def gather(ring_vals: jax.Array, step_vals: jax.Array) -> jax.Array:
+            a = ring_vals[jnp.clip(hist, 0, ring_vals.shape[0] - 1)]
+            b = step_vals[jnp.clip(hist - ring_vals.shape[0], 0, t - 1)]
+            v = jnp.where(from_step[..., None], b, a)
+            if self.overlap:  # previous window through the first d channels, own window the second
+                v = jnp.concatenate([v[:, :r, :d], v[:, r:, d:]], axis=1)
+            return v
+
+        present = (hist >= 0)[..., None]
+        kv_slots = jnp.where(present, gather(ring.kv, kv), 0.0)
+        gate_slots = jnp.where(present, gather(ring.gate, gate), -jnp.inf)
+        entries = self.pool(kv_slots, gate_slots, blocks, x_TD.dtype, freqs)
+        write = ctx.ring_write_rows(ring_size, ring.kv.shape[0])
+        ring = CompressorRing(kv=ring.kv.at[write].set(kv, mode="drop"),
+                              gate=ring.gate.at[write].set(gate, mode="drop"))
+        return ring, entries, jnp.where(rows < t, blocks, -1), rows
 
 
 class Indexer(nnx.Module):
@@ -85,10 +133,36 @@ class Indexer(nnx.Module):
         keys = self.compressor(x_BTD, freqs)
         if cfg.fake_quant:
             q, keys = quant.fake_quant_indexer(q), quant.fake_quant_indexer(keys)
-        # The score scale is folded into the head weights, so selection is scale-invariant.
-        w = self.weights_proj(x_BTD).astype(jnp.float32) * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
+        w = self._head_weights(x_BTD)
         limit = (positions + 1) // cfg.csa_ratio
         return ops.indexer_topk(q, keys, w, limit, cfg.index_topk)
+
+
+    def step(self, x_TD: jax.Array, qr_TL: jax.Array, ctx: StepContext, keys: EntryTable, ring: CompressorRing,
+             geometry: StateGeometry, freqs: tuple[float, ...],
+             ops: OpSet) -> tuple[EntryTable, CompressorRing, jax.Array]:
+        """(keys', ring', selected entry ids [T, min(topk, entries per request)]) for the step's tokens."""
+        cfg, t = self.cfg, x_TD.shape[0]
+        r = cfg.csa_ratio
+        epp = geometry.entries_per_page(r)
+        q = apply_rope(self.wq_b(qr_TL).reshape(t, cfg.index_n_heads, cfg.index_head_dim), ctx.positions, freqs)
+        ring, entries, entry_ids, rows = self.compressor.step(x_TD, ctx, ring, geometry.compressor_ring_size(r, True),
+                                                              freqs)
+        # Keys are written raw: the table's codec applies the QAT transform when it is on.
+        keys = keys.write(ctx.entry_rows(entry_ids[:, None], epp, keys.drop_row, tokens=jnp.minimum(rows, t - 1))[:, 0],
+                          entries)
+        if cfg.fake_quant:
+            q = quant.fake_quant_indexer(q)
+        w = self._head_weights(x_TD)
+        candidates = jnp.broadcast_to(jnp.arange(epp * ctx.page_table.shape[1]), (t, epp * ctx.page_table.shape[1]))
+        candidate_rows = ctx.entry_rows(candidates, epp, keys.drop_row)
+        limit = jnp.where(ctx.valid, (ctx.positions + 1) // r, 0)
+        return keys, ring, ops.indexer_topk_paged(q, w, keys, candidate_rows, limit, cfg.index_topk)
+
+    def _head_weights(self, x: jax.Array) -> jax.Array:
+        # The score scale is folded into the head weights, so selection is scale-invariant.
+        cfg = self.cfg
+        return self.weights_proj(x).astype(jnp.float32) * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
 
 
 class Attention(nnx.Module):
@@ -116,18 +190,22 @@ class Attention(nnx.Module):
             self.indexer = Indexer(cfg, param_dtype=param_dtype, rngs=rngs)
         self.freqs = layer_frequencies(cfg, layer)
 
+    def project_in(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(q [..., N, H] normed and rotated, q low-rank latent qr [..., L], kv [..., H] rotated, raw)."""
+        cfg = self.cfg
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).reshape(*x.shape[:-1], cfg.num_attention_heads, cfg.head_dim)
+        q = rms_norm(q, None, cfg.rms_norm_eps)  # per head, all H dims, before RoPE
+        q = apply_rope(q, positions, self.freqs)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), positions, self.freqs)
+        return q, qr, kv
+
     def __call__(self, x_BTD: jax.Array, ops: OpSet) -> jax.Array:
         cfg = self.cfg
         b, t, _ = x_BTD.shape
-        n, h = cfg.num_attention_heads, cfg.head_dim
+        h = cfg.head_dim
         positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
-
-        qr = self.q_norm(self.wq_a(x_BTD))
-        q = self.wq_b(qr).reshape(b, t, n, h)
-        q = rms_norm(q, None, cfg.rms_norm_eps)  # per head, all H dims, before RoPE
-        q = apply_rope(q, positions, self.freqs)
-        kv = self.kv_norm(self.wkv(x_BTD))
-        kv = apply_rope(kv, positions, self.freqs)
+        q, qr, kv = self.project_in(x_BTD, positions)
         if cfg.fake_quant:
             kv = quant.fake_quant_kv(kv, cfg.qk_rope_head_dim)
 
@@ -147,6 +225,49 @@ class Attention(nnx.Module):
         o = ops.sparse_attention(q, kv_all, idx, self.attn_sink[...], h ** -0.5)
         o = apply_rope(o, positions, self.freqs, inverse=True)
         return self.project_out(o)
+
+    def step(self, x_TD: jax.Array, ctx: StepContext, st: LayerState, geometry: StateGeometry,
+             ops: OpSet) -> tuple[LayerState, jax.Array]:
+        """The step's tokens (flat, ragged over requests) against the stored state: (state', out [T, D]).
+
+        Reads the window from the ring as it was BEFORE this step (a long chunk's own writes
+        may wrap onto keys its first tokens still need) plus the step's fresh rows; compressed
+        entries completed in this step are written first, then read like older ones.
+        """
+        cfg = self.cfg
+        t = x_TD.shape[0]
+        q, qr, kv = self.project_in(x_TD, ctx.positions)
+        ring_size = geometry.ring_size(cfg)
+        fresh = EntryTable.from_values(kv, like=st.window)
+        w = cfg.sliding_window
+        key_pos = ctx.positions[:, None] - (w - 1) + jnp.arange(w)[None, :]
+        window_idx = ctx.history_rows(key_pos, ring_size, st.window.rows)
+        new_st = dataclasses.replace(st, window=st.window.write(ctx.ring_write_rows(ring_size, st.window.drop_row), kv))
+
+        comp, comp_idx = None, None
+        if self.kind is not AttentionKind.SLIDING:
+            r = self.compressor.ratio
+            epp = geometry.entries_per_page(r)
+            ring, entries, entry_ids, rows = self.compressor.step(
+                x_TD, ctx, st.compressor, geometry.compressor_ring_size(r, self.compressor.overlap), self.freqs)
+            comp = st.compressed.write(
+                ctx.entry_rows(entry_ids[:, None], epp, st.compressed.drop_row, tokens=jnp.minimum(rows, t - 1))[:, 0],
+                entries)
+            new_st = dataclasses.replace(new_st, compressed=comp, compressor=ring)
+            if self.kind is AttentionKind.CSA:
+                keys, iring, sel = self.indexer.step(x_TD, qr, ctx, st.index_keys, st.index_compressor, geometry,
+                                                     self.freqs, ops)
+                new_st = dataclasses.replace(new_st, index_keys=keys, index_compressor=iring)
+            else:
+                n_entries = epp * ctx.page_table.shape[1]
+                j = jnp.arange(n_entries)[None, :]
+                sel = jnp.where(j < ((ctx.positions + 1) // r)[:, None], j, -1)
+            comp_idx = ctx.entry_rows(sel, epp, comp.drop_row)
+
+        o = ops.sparse_attention_paged(q, (st.window, fresh), window_idx, comp, comp_idx, self.attn_sink[...],
+                                       cfg.head_dim ** -0.5)
+        o = apply_rope(o, ctx.positions, self.freqs, inverse=True)
+        return new_st, self.project_out(o[None])[0]
 
     def project_out(self, o_BTNH: jax.Array) -> jax.Array:
         """Grouped output projection: group g (heads g*N/G ..) -> rank L via its own block of wo_a, then wo_b."""

@@ -19,15 +19,19 @@ class Backend(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class OpSet:
-    sparse_attention: Callable
+    sparse_attention: Callable  # whole-sequence form
+    sparse_attention_paged: Callable  # decode-step form over stored tables
     indexer_topk: Callable
+    indexer_topk_paged: Callable
     moe_experts: Callable
 
 
 _REGISTRY: dict[Backend, OpSet] = {
     Backend.REFERENCE: OpSet(
         sparse_attention=attn_ref.sparse_attention,
+        sparse_attention_paged=attn_ref.sparse_attention_paged,
         indexer_topk=indexer_ref.indexer_topk,
+        indexer_topk_paged=indexer_ref.indexer_topk_paged,
         moe_experts=moe_ref.moe_experts_grouped,
     ),
 }

@@ -1,18 +1,45 @@
 """Pure-JAX semantics of the lightning indexer (the oracle for kernels).
 
-score[b, t, s] = sum_i w[b, t, i] * relu(q[b, t, i] . k[b, s])      (f32)
+score[t, s] = sum_i w[t, i] * relu(q[t, i] . k[s])      (f32)
 
-Query t may select entry s only if s < limit[b, t] (the number of compressed entries
+Query t may select entry s only if s < limit[t] (the number of compressed entries
 completed at or before t). The top-k keeps min(topk, S) slots; a slot that lands on an
 invisible entry (fewer visible entries than slots) is -1. Ties among equal scores are
 broken by the lower entry id (jax.lax.top_k); the official reference leaves them
 unspecified, so tests avoid exact ties.
+
+`indexer_topk` is the whole-sequence form (keys [B, S, J] shared by a row's queries);
+`indexer_topk_paged` the decode-step form (each query's candidate keys are rows of a
+stored table, listed per query in entry order).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from dsv4.state import EntryTable
+
+# Queries scored per tile in the paged form: bounds the gathered [tile, S, J] candidate keys.
+QUERY_TILE = 256
+
+
+def _scores(q_TIJ: jax.Array, k_TSJ: jax.Array, w_TI: jax.Array) -> jax.Array:
+    """ReLU-weighted head sum [T,S] in f32, each query against its own keys."""
+    dots = jnp.einsum("tij,tsj->tis", q_TIJ.astype(jnp.float32), k_TSJ.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("tis,ti->ts", jax.nn.relu(dots), w_TI.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+def _top_visible(scores_TS: jax.Array, limit_T: jax.Array, topk: int) -> jax.Array:
+    n_entries = scores_TS.shape[-1]
+    k = min(topk, n_entries)
+    if k == 0:
+        return jnp.zeros((*scores_TS.shape[:-1], 0), jnp.int32)
+    visible = jnp.arange(n_entries) < limit_T[..., None]
+    _, ids = jax.lax.top_k(jnp.where(visible, scores_TS, -jnp.inf), k)
+    ids = ids.astype(jnp.int32)
+    return jnp.where(ids < limit_T[..., None], ids, -1)
 
 
 def indexer_scores(q_BTIJ: jax.Array, k_BSJ: jax.Array, w_BTI: jax.Array) -> jax.Array:
@@ -26,13 +53,19 @@ def indexer_scores(q_BTIJ: jax.Array, k_BSJ: jax.Array, w_BTI: jax.Array) -> jax
 def indexer_topk(q_BTIJ: jax.Array, k_BSJ: jax.Array, w_BTI: jax.Array, limit_BT: jax.Array,
                  topk: int) -> jax.Array:
     """Entry ids [B,T,min(topk,S)] (int32), best first, -1 where no visible entry is left."""
-    n_entries = k_BSJ.shape[1]
-    k = min(topk, n_entries)
-    if k == 0:
-        return jnp.zeros((*q_BTIJ.shape[:2], 0), jnp.int32)
-    scores = indexer_scores(q_BTIJ, k_BSJ, w_BTI)
-    visible = jnp.arange(n_entries)[None, None, :] < limit_BT[..., None]
-    scores = jnp.where(visible, scores, -jnp.inf)
-    _, ids = jax.lax.top_k(scores, k)
-    ids = ids.astype(jnp.int32)
-    return jnp.where(ids < limit_BT[..., None], ids, -1)
+    return _top_visible(indexer_scores(q_BTIJ, k_BSJ, w_BTI), limit_BT, topk)
+
+
+def indexer_topk_paged(q_TIJ: jax.Array, w_TI: jax.Array, keys: EntryTable, candidate_rows_TS: jax.Array,
+                       limit_T: jax.Array, topk: int) -> jax.Array:
+    """Entry ids [T,min(topk,S)] of the step's queries; candidate s of query t is stored at
+    `keys` row candidate_rows[t, s] (only s < limit[t] are read as valid)."""
+
+    def tile(args):
+        q, w, rows, limit = args
+        return _top_visible(_scores(q, keys.gather(rows), w), limit, topk)
+
+    args = (q_TIJ, w_TI, candidate_rows_TS, limit_T)
+    if q_TIJ.shape[0] <= QUERY_TILE:
+        return tile(args)
+    return jax.lax.map(tile, args, batch_size=QUERY_TILE)
