@@ -5,7 +5,10 @@ Spec sections 6.1-6.4 (weights) and 5.5/5.6 (KV and indexer fake quantisation).
 Lifecycle: the ``dequant_*`` functions run at checkpoint load (or inside a jitted layer when
 weights stay packed); the ``quant_*`` / ``pack_fp4`` functions are their inverses, used to write
 quantised test checkpoints; the ``fake_quant_*`` functions run inside the forward pass wherever
-REF stores values that carry only FP8/FP4 information (KV cache, indexer query and keys).
+REF stores values that carry only FP8/FP4 information (KV cache, indexer query and keys); the
+``encode_*`` / ``decode_*`` codecs store that same information narrow in a decode-state cache
+(written once per token, read every step) and decode to exactly the fake-quant result, so a
+cache-backed decode matches the teacher-forced forward bit for bit.
 
 Everything here is a pure function of its arguments and is wrapped in ``jax.jit`` (dtype, block
 and rope_dim arguments static), so eager callers such as checkpoint loaders and tests compile one
@@ -33,6 +36,8 @@ from jax.typing import ArrayLike, DTypeLike
 
 FP8_BLOCK = 128  # weight scale block (rows and columns), spec 6.1
 FP4_GROUP = 32  # FP4 expert scale group along K, spec 6.4
+KV_FP8_BLOCK = 64  # FP8 scale block of the KV cache's non-rope dims, spec 6.3
+INDEXER_FP4_BLOCK = 32  # FP4 scale block of indexer queries and keys, spec 5.5/5.6
 E8M0_BIAS = 127  # E8M0 byte b encodes 2**(b - 127); b = 255 is NaN
 
 # e2m1 code -> value; bit 3 is the sign, so code 8 is -0 (kept: ml_dtypes decodes it as -0.0).
@@ -125,6 +130,30 @@ def _group_last(x: jax.Array, block: int) -> jax.Array:
     """[..., D] -> [..., D/b, b] after zero-padding D to a multiple of b."""
     x = _pad_axis(x, -1, block)
     return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _quantize_blocks(x: jax.Array, block: int, qmax: float, round_fn) -> tuple[jax.Array, jax.Array]:
+    """Blockwise quantisation of the last axis shared by every activation-side quantiser.
+
+    x [..., D] (any float dtype, read as f32) -> (grid values f32 [..., ceil(D/b), b], scale f32
+    [..., ceil(D/b), 1]) with scale = max(amax, 1e-4) / qmax rounded up to a power of two and
+    values = round_fn(x / scale), exact narrow-format numbers held in f32. A ragged last block is
+    zero-padded (zeros never raise its amax); the padding's values are 0 and are sliced off by
+    the callers.
+    """
+    g = _group_last(jnp.asarray(x).astype(jnp.float32), block)
+    scale = _block_scale(jnp.max(jnp.abs(g), axis=-1, keepdims=True), qmax)
+    return round_fn(g / scale), scale
+
+
+def _dequantize_blocks(vals: jax.Array, scale: jax.Array, d: int, out_dtype: DTypeLike) -> jax.Array:
+    """Inverse of ``_quantize_blocks``: f32 values [..., nb, b] * scale [..., nb, 1] -> [..., d].
+
+    The product is exact (power-of-two scale, no under/overflow for the floored scales), so the
+    only rounding is the final cast to out_dtype.
+    """
+    out = vals.astype(jnp.float32) * scale
+    return out.reshape(*vals.shape[:-2], -1)[..., :d].astype(out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
@@ -230,8 +259,7 @@ def dequant_fp4(packed_i8: ArrayLike, scale_u8: ArrayLike, out_dtype: DTypeLike)
     want = (*lead, o, _ceil_div(k, FP4_GROUP))
     if s.shape != want:
         raise ValueError(f"FP4 scale shape {s.shape} does not match unpacked weight {vals.shape}: want {want}")
-    out = _group_last(vals, FP4_GROUP) * e8m0_to_float(s)[..., None]
-    return out.reshape(*lead, o, want[-1] * FP4_GROUP)[..., :k].astype(out_dtype)
+    return _dequantize_blocks(_group_last(vals, FP4_GROUP), e8m0_to_float(s)[..., None], k, out_dtype)
 
 
 def _round_e2m1(y: jax.Array) -> jax.Array:
@@ -273,20 +301,19 @@ def quant_fp4(w_f32: ArrayLike) -> tuple[jax.Array, jax.Array]:
     w = jnp.asarray(w_f32, jnp.float32)
     if w.ndim < 1 or w.shape[-1] % 2:
         raise ValueError(f"quant_fp4 needs an even last dim to pack nibbles, got shape {w.shape}")
-    k = w.shape[-1]
-    groups = _group_last(w, FP4_GROUP)
-    scale = _block_scale(jnp.max(jnp.abs(groups), axis=-1), _FP4_MAX)
-    vals = _round_e2m1(groups / scale[..., None]).reshape(*w.shape[:-1], -1)[..., :k]
-    return _pack_codes(_fp4_codes(vals)), float_to_e8m0(scale)
+    vals, scale = _quantize_blocks(w, FP4_GROUP, _FP4_MAX, _round_e2m1)
+    vals = vals.reshape(*w.shape[:-1], -1)[..., : w.shape[-1]]
+    return _pack_codes(_fp4_codes(vals)), float_to_e8m0(scale[..., 0])
 
 
 def _fake_quant(x: jax.Array, block: int, qmax: float, round_fn) -> jax.Array:
-    """Shared body of the fake quantisers: per-block power-of-two scale, round, dequantise, recast."""
-    d = x.shape[-1]
-    g = _group_last(x.astype(jnp.float32), block)
-    scale = _block_scale(jnp.max(jnp.abs(g), axis=-1, keepdims=True), qmax)
-    q = round_fn(g / scale) * scale
-    return q.reshape(*x.shape[:-1], -1)[..., :d].astype(x.dtype)
+    """Shared body of the fake quantisers: quantise per block, dequantise, recast to x.dtype.
+
+    The storage codecs (``encode_*`` / ``decode_*``) split this same pair of calls around the
+    narrow storage types, which is what makes their round trip bit-exact with it.
+    """
+    vals, scale = _quantize_blocks(x, block, qmax, round_fn)
+    return _dequantize_blocks(vals, scale, x.shape[-1], x.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block",))
@@ -301,6 +328,12 @@ def fake_quant_fp8(x: ArrayLike, block: int = 64) -> jax.Array:
     return _fake_quant(jnp.asarray(x), block, _FP8_MAX, _round_e4m3)
 
 
+def _kv_nope_width(d: int, rope_dim: int) -> int:
+    if not 0 <= rope_dim <= d:
+        raise ValueError(f"rope_dim {rope_dim} must lie in [0, {d}] for KV width {d}")
+    return d - rope_dim
+
+
 @functools.partial(jax.jit, static_argnames=("rope_dim",))
 def fake_quant_kv(kv: ArrayLike, rope_dim: int) -> jax.Array:
     """Fake-quantise a KV entry: fp8 (block 64) on kv[..., :D - rope_dim], rope dims untouched.
@@ -310,13 +343,10 @@ def fake_quant_kv(kv: ArrayLike, rope_dim: int) -> jax.Array:
     shorter (zero-padded for the amax), which reduces to REF's rule whenever the width divides.
     """
     kv = jnp.asarray(kv)
-    d = kv.shape[-1]
-    if not 0 <= rope_dim <= d:
-        raise ValueError(f"rope_dim {rope_dim} must lie in [0, {d}] for KV width {d}")
-    nope = d - rope_dim
+    nope = _kv_nope_width(kv.shape[-1], rope_dim)
     if nope == 0:
         return kv
-    return jnp.concatenate([fake_quant_fp8(kv[..., :nope], block=64), kv[..., nope:]], axis=-1)
+    return jnp.concatenate([fake_quant_fp8(kv[..., :nope], block=KV_FP8_BLOCK), kv[..., nope:]], axis=-1)
 
 
 def hadamard_matrix(n: int) -> jax.Array:
@@ -361,4 +391,124 @@ def fake_quant_fp4(x: ArrayLike, block: int = 32) -> jax.Array:
 @jax.jit
 def fake_quant_indexer(x: ArrayLike) -> jax.Array:
     """Indexer QAT (spec 5.5/5.6): orthonormal Hadamard on the last axis, then fp4 per 32."""
-    return fake_quant_fp4(hadamard_rotate(x), block=32)
+    return fake_quant_fp4(hadamard_rotate(x), block=INDEXER_FP4_BLOCK)
+
+
+# ---------------------------------------------------------------- decode-state storage codecs
+#
+# The fake quantisers above return values in the activation dtype that carry only FP8/FP4
+# information; the codecs below store that same information in its narrow form (e4m3 or packed
+# e2m1 elements plus one E8M0 byte per block) so a decode-state cache holds ~1 byte per element
+# instead of 2. Each encoder runs ``_quantize_blocks`` exactly as the matching fake quantiser
+# does and each decoder runs its ``_dequantize_blocks``, with only exact conversions between
+# (grid values -> e4m3 / e2m1 codes, power-of-two scales -> E8M0 bytes); hence
+# decode(encode(x)) == fake_quant(x) bit for bit, signed zeros included. The casts to float8
+# only ever see values already on the grid (see ``_round_e4m3`` for why rounding never relies
+# on a float8 round trip).
+
+
+@functools.partial(jax.jit, static_argnames=("rope_dim",))
+def encode_kv_fp8(kv: ArrayLike, rope_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Store a KV entry [..., D] as REF's FP8 cache does: (nope_f8, scale_u8, rope).
+
+    nope_f8 float8_e4m3fn [..., D - rope_dim]; scale_u8 uint8 E8M0 [..., ceil((D - rope_dim) / 64)]
+    (a ragged last block is scaled by its own amax, as in ``fake_quant_kv``); rope = the last
+    rope_dim dims unchanged, in kv's dtype. 0 <= rope_dim <= D, as for ``fake_quant_kv``.
+    ``decode_kv_fp8(*encode_kv_fp8(kv, R), kv.dtype)`` equals ``fake_quant_kv(kv, R)`` bit-exactly.
+    """
+    kv = jnp.asarray(kv)
+    nope = _kv_nope_width(kv.shape[-1], rope_dim)
+    vals, scale = _quantize_blocks(kv[..., :nope], KV_FP8_BLOCK, _FP8_MAX, _round_e4m3)
+    nope_f8 = vals.reshape(*kv.shape[:-1], -1)[..., :nope].astype(jnp.float8_e4m3fn)
+    return nope_f8, float_to_e8m0(scale[..., 0]), kv[..., nope:]
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def decode_kv_fp8(nope_f8: ArrayLike, scale_u8: ArrayLike, rope: ArrayLike, out_dtype: DTypeLike) -> jax.Array:
+    """Inverse of ``encode_kv_fp8``: [..., D - R] e4m3, [..., ceil((D - R) / 64)] E8M0, [..., R] -> [..., D].
+
+    Non-rope dims are e4m3 * 2**(scale - 127) per 64-block, rope dims are passed through; both
+    are cast to out_dtype and concatenated in that order.
+    """
+    q = jnp.asarray(nope_f8)
+    s = jnp.asarray(scale_u8)
+    rope = jnp.asarray(rope)
+    if q.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"KV non-rope values must be float8_e4m3fn, got dtype {q.dtype}")
+    *lead, nope = q.shape
+    want = (*lead, _ceil_div(nope, KV_FP8_BLOCK))
+    if s.shape != want:
+        raise ValueError(f"KV scale shape {s.shape} does not match values {q.shape}: want {want}")
+    if rope.shape[:-1] != tuple(lead):
+        raise ValueError(f"KV rope shape {rope.shape} does not share leading dims with values {q.shape}")
+    vals = _group_last(q.astype(jnp.float32), KV_FP8_BLOCK)
+    out = _dequantize_blocks(vals, e8m0_to_float(s)[..., None], nope, out_dtype)
+    return jnp.concatenate([out, rope.astype(out_dtype)], axis=-1)
+
+
+def _indexer_width(j: int) -> int:
+    if j % INDEXER_FP4_BLOCK:
+        raise ValueError(f"indexer width {j} must be a multiple of {INDEXER_FP4_BLOCK} for the FP4 codecs")
+    return j
+
+
+def _quantize_indexer(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``fake_quant_indexer`` up to the dequantise: e2m1 grid values f32 [..., J] and scale bytes."""
+    _indexer_width(x.shape[-1])
+    vals, scale = _quantize_blocks(hadamard_rotate(x), INDEXER_FP4_BLOCK, _FP4_MAX, _round_e2m1)
+    return vals.reshape(*x.shape[:-1], -1), float_to_e8m0(scale[..., 0])
+
+
+def _dequantize_indexer(vals: jax.Array, scale_u8: jax.Array, out_dtype: DTypeLike) -> jax.Array:
+    """f32 e2m1 grid values [..., J] and E8M0 bytes [..., J/32] -> rotated indexer values [..., J]."""
+    *lead, j = vals.shape
+    _indexer_width(j)
+    s = jnp.asarray(scale_u8)
+    want = (*lead, j // INDEXER_FP4_BLOCK)
+    if s.shape != want:
+        raise ValueError(f"indexer scale shape {s.shape} does not match values {vals.shape}: want {want}")
+    return _dequantize_blocks(_group_last(vals, INDEXER_FP4_BLOCK), e8m0_to_float(s)[..., None], j, out_dtype)
+
+
+@jax.jit
+def encode_indexer_fp4(x: ArrayLike) -> tuple[jax.Array, jax.Array]:
+    """Store indexer keys [..., J] as packed e2m1: (int8 [..., J/2], uint8 E8M0 [..., J/32]).
+
+    Hadamard-rotates, then quantises per 32 exactly as ``fake_quant_indexer``; nibble order as
+    ``pack_fp4`` (low nibble = even element), and -0 keeps its code (8). J % 32 == 0 is required
+    (ValueError otherwise), and the rotation needs J a power of two.
+    """
+    vals, scale = _quantize_indexer(jnp.asarray(x))
+    return _pack_codes(_fp4_codes(vals)), scale
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def decode_indexer_fp4(packed_i8: ArrayLike, scale_u8: ArrayLike, out_dtype: DTypeLike) -> jax.Array:
+    """Inverse of ``encode_indexer_fp4`` -> [..., J] in out_dtype, still in the rotated basis.
+
+    With out_dtype = x.dtype it equals ``fake_quant_indexer(x)`` bit-exactly.
+    """
+    return _dequantize_indexer(unpack_fp4(packed_i8), scale_u8, out_dtype)
+
+
+@jax.jit
+def encode_indexer_fp8(x: ArrayLike) -> tuple[jax.Array, jax.Array]:
+    """As ``encode_indexer_fp4`` but one float8_e4m3fn per element: (e4m3 [..., J], uint8 [..., J/32]).
+
+    The elements are the same e2m1 grid values (every e2m1 number is exact in e4m3), so this is
+    the same information in a layout that FP8 matmul kernels can read without unpacking nibbles.
+    """
+    vals, scale = _quantize_indexer(jnp.asarray(x))
+    return vals.astype(jnp.float8_e4m3fn), scale
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def decode_indexer_fp8(vals_f8: ArrayLike, scale_u8: ArrayLike, out_dtype: DTypeLike) -> jax.Array:
+    """Inverse of ``encode_indexer_fp8`` -> [..., J] in out_dtype, still in the rotated basis.
+
+    With out_dtype = x.dtype it equals ``fake_quant_indexer(x)`` bit-exactly.
+    """
+    q = jnp.asarray(vals_f8)
+    if q.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"indexer FP8 values must be float8_e4m3fn, got dtype {q.dtype}")
+    return _dequantize_indexer(q.astype(jnp.float32), scale_u8, out_dtype)

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from dsv4 import quant
 
@@ -408,3 +410,155 @@ def test_round_e4m3_matches_ml_dtypes_on_every_tie_and_binade():
                              np.linspace(-grid, grid, 4001, dtype=np.float32)]).astype(np.float32)
     expected = probes.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(_round_e4m3(jnp.asarray(probes))), expected)
+
+
+# ---------------------------------------------------------------- decode-state storage codecs
+
+
+def _bits(a):
+    """Raw bit pattern of a float array (uint of the same width), so -0 != +0 and NaNs compare."""
+    a = np.asarray(jax.device_get(a))
+    return a.view(f"u{a.dtype.itemsize}")
+
+
+def _codec_input(seed, shape, dtype):
+    """Random [..., D] with element magnitudes across 1e-6..1e4, some narrow-range rows (whole
+    blocks near the amax floor or near the top) and one +0 row and one -0 row."""
+    rng = np.random.default_rng(seed)
+    exps = rng.uniform(-6, 4, shape)
+    rows = exps.reshape(-1, shape[-1])
+    centre = rng.uniform(-6, 4, (rows.shape[0], 1))
+    narrow = rng.random(rows.shape[0]) < 0.5
+    rows[narrow] = np.clip(centre + rng.uniform(-1, 1, rows.shape), -6, 4)[narrow]
+    x = (rng.standard_normal(shape) * 10.0**exps).reshape(-1, shape[-1])
+    if x.shape[0] >= 3:
+        x[0] = 0.0
+        x[1] = -0.0
+    return jnp.asarray(x.reshape(shape), dtype)
+
+
+_LEADS = [(), (3,), (2, 3), (1, 2, 2)]
+# (D, R): FLASH 512/64 (7 full blocks), ragged non-rope widths 32 / 100 = 64 + 36, one exact
+# block, no rope (all fp8) and all rope (nothing quantised).
+_KV_DIMS = [(512, 64), (40, 8), (100, 0), (80, 16), (24, 24)]
+
+
+# Every new shape compiles three programs, so few random draws; the named cases always run.
+@settings(max_examples=6, deadline=None, database=None)
+@given(lead=st.sampled_from(_LEADS), dims=st.sampled_from(_KV_DIMS),
+       dtype=st.sampled_from([jnp.bfloat16, jnp.float32]), seed=st.integers(0, 2**31 - 1))
+@example(lead=(2, 3), dims=(512, 64), dtype=jnp.bfloat16, seed=0)
+@example(lead=(3,), dims=(40, 8), dtype=jnp.bfloat16, seed=1)
+@example(lead=(2, 3), dims=(40, 8), dtype=jnp.float32, seed=2)
+@example(lead=(), dims=(100, 0), dtype=jnp.float32, seed=3)
+def test_kv_fp8_codec_round_trip_is_fake_quant_bit_exact(lead, dims, dtype, seed):
+    d, rope = dims
+    nope = d - rope
+    kv = _codec_input(seed, (*lead, d), dtype)
+    q, s, r = quant.encode_kv_fp8(kv, rope)
+    assert q.dtype == jnp.float8_e4m3fn and q.shape == (*lead, nope)
+    assert s.dtype == jnp.uint8 and s.shape == (*lead, -(-nope // 64))
+    assert r.dtype == kv.dtype and r.shape == (*lead, rope)
+    np.testing.assert_array_equal(_bits(r), _bits(kv[..., nope:]))
+    got = quant.decode_kv_fp8(q, s, r, dtype)
+    want = quant.fake_quant_kv(kv, rope)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    # Bit compare: the fake path keeps -0 (copysign in the rounding) and so must the codec.
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    if nope and lead:  # the -0 row really reaches the output as -0, so the sign is exercised
+        assert np.all(_bits(want).reshape(-1, d)[1, :nope] == _bits(jnp.asarray(-0.0, dtype)))
+
+
+@settings(max_examples=6, deadline=None, database=None)
+@given(lead=st.sampled_from(_LEADS), j=st.sampled_from([32, 128]),
+       dtype=st.sampled_from([jnp.bfloat16, jnp.float32]), seed=st.integers(0, 2**31 - 1))
+@example(lead=(2, 3), j=128, dtype=jnp.bfloat16, seed=0)
+@example(lead=(3,), j=128, dtype=jnp.float32, seed=1)
+@example(lead=(1, 2, 2), j=32, dtype=jnp.bfloat16, seed=2)
+@example(lead=(), j=32, dtype=jnp.float32, seed=3)
+def test_indexer_codecs_round_trip_is_fake_quant_bit_exact(lead, j, dtype, seed):
+    x = _codec_input(seed, (*lead, j), dtype)
+    want = quant.fake_quant_indexer(x)
+    packed, s4 = quant.encode_indexer_fp4(x)
+    vals, s8 = quant.encode_indexer_fp8(x)
+    assert packed.dtype == jnp.int8 and packed.shape == (*lead, j // 2)
+    assert vals.dtype == jnp.float8_e4m3fn and vals.shape == (*lead, j)
+    assert s4.dtype == s8.dtype == jnp.uint8 and s4.shape == (*lead, j // 32)
+    # Both formats hold the same e2m1 numbers and scales; fp4 nibbles agree with pack_fp4's order.
+    np.testing.assert_array_equal(_np(s4), _np(s8))
+    np.testing.assert_array_equal(_bits(quant.unpack_fp4(packed)), _bits(vals.astype(jnp.float32)))
+    assert np.all(np.isin(np.abs(_np(vals).astype(np.float32)), quant.FP4_CODE_TABLE[:8]))
+    for got in (quant.decode_indexer_fp4(packed, s4, dtype), quant.decode_indexer_fp8(vals, s8, dtype)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_kv_fp8_codec_stored_values_and_scales():
+    """The stored form itself (not only its round trip): per-64 E8M0 bytes and e4m3 elements."""
+    kv = np.full((2, 512), 0.01, np.float32)
+    kv[0, :64] = 1000.0
+    kv[1, :448] = 0.0
+    q, s, r = quant.encode_kv_fp8(jnp.asarray(kv), 64)
+    # Row 0: block 0 scale 4 (byte 129), 1000/4 = 250 -> e4m3 256; other blocks 2**-15 (byte 112),
+    # 0.01 * 2**15 = 327.68 -> 320. Row 1 is all zero: floored amax 1e-4 -> 2**-22 (byte 105).
+    np.testing.assert_array_equal(_np(s), [[129] + [112] * 6, [105] * 7])
+    qf = _np(q).astype(np.float32)
+    np.testing.assert_array_equal(qf[0, :64], 256.0)
+    np.testing.assert_array_equal(qf[0, 64:], 320.0)
+    np.testing.assert_array_equal(qf[1], 0.0)
+    np.testing.assert_array_equal(_np(r), kv[:, 448:])
+
+
+def test_codec_shapes_at_flash_size():
+    """Abstract evaluation only (costs nothing): FLASH KV 512 = 448 + 64 rope, indexer J = 128."""
+    kv = jax.ShapeDtypeStruct((4, 8192, 512), jnp.bfloat16)
+    q, s, r = jax.eval_shape(lambda x: quant.encode_kv_fp8(x, 64), kv)
+    assert (q.shape, q.dtype, s.shape, s.dtype, r.shape, r.dtype) == (
+        (4, 8192, 448), jnp.float8_e4m3fn, (4, 8192, 7), jnp.uint8, (4, 8192, 64), jnp.bfloat16)
+    out = jax.eval_shape(lambda *a: quant.decode_kv_fp8(*a, jnp.bfloat16), q, s, r)
+    assert (out.shape, out.dtype) == (kv.shape, kv.dtype)
+    k = jax.ShapeDtypeStruct((4, 8192, 128), jnp.bfloat16)
+    p, s4 = jax.eval_shape(quant.encode_indexer_fp4, k)
+    v, s8 = jax.eval_shape(quant.encode_indexer_fp8, k)
+    assert (p.shape, p.dtype, s4.shape, v.shape, v.dtype, s8.shape) == (
+        (4, 8192, 64), jnp.int8, (4, 8192, 4), (4, 8192, 128), jnp.float8_e4m3fn, (4, 8192, 4))
+
+
+def test_codecs_compose_under_jit_and_vmap():
+    rng = np.random.default_rng(13)
+    kv = jnp.asarray(rng.standard_normal((3, 2, 80)), jnp.bfloat16)
+    f = jax.jit(jax.vmap(lambda x: quant.decode_kv_fp8(*quant.encode_kv_fp8(x, 16), jnp.bfloat16)))
+    np.testing.assert_array_equal(_bits(f(kv)), _bits(quant.fake_quant_kv(kv, 16)))
+    x = kv[..., :64]
+    g = jax.jit(jax.vmap(lambda y: quant.decode_indexer_fp4(*quant.encode_indexer_fp4(y), jnp.bfloat16)))
+    np.testing.assert_array_equal(_bits(g(x)), _bits(quant.fake_quant_indexer(x)))
+
+
+def test_codecs_reject_bad_arguments():
+    kv = jnp.zeros((2, 40), jnp.bfloat16)
+    for rope in (-1, 41):
+        with pytest.raises(ValueError, match="rope_dim"):
+            quant.encode_kv_fp8(kv, rope)
+    q, s, r = quant.encode_kv_fp8(kv, 8)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        quant.decode_kv_fp8(q.astype(jnp.bfloat16), s, r, jnp.bfloat16)
+    with pytest.raises(ValueError, match="scale shape"):
+        quant.decode_kv_fp8(q, jnp.zeros((2, 2), jnp.uint8), r, jnp.bfloat16)
+    with pytest.raises(ValueError, match="uint8"):
+        quant.decode_kv_fp8(q, s.astype(jnp.int32), r, jnp.bfloat16)
+    with pytest.raises(ValueError, match="leading dims"):
+        quant.decode_kv_fp8(q, s, r[:1], jnp.bfloat16)
+    for enc in (quant.encode_indexer_fp4, quant.encode_indexer_fp8):
+        with pytest.raises(ValueError, match="multiple of 32"):
+            enc(jnp.zeros((2, 48)))
+        with pytest.raises(ValueError, match="power of two"):  # J % 32 == 0 but no Hadamard of 96
+            enc(jnp.zeros((2, 96)))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.decode_indexer_fp4(jnp.zeros((2, 24), jnp.int8), jnp.zeros((2, 1), jnp.uint8), jnp.float32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.decode_indexer_fp8(jnp.zeros((2, 48), jnp.float8_e4m3fn), jnp.zeros((2, 1), jnp.uint8), jnp.float32)
+    p, s4 = quant.encode_indexer_fp4(jnp.zeros((2, 64)))
+    with pytest.raises(ValueError, match="scale shape"):
+        quant.decode_indexer_fp4(p, s4[:, :1], jnp.float32)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        quant.decode_indexer_fp8(jnp.zeros((2, 64)), s4, jnp.float32)
