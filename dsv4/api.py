@@ -1,13 +1,16 @@
 """Notebook-facing API: `dsv4.load_pretrained(path, dtype=..., backend=...)` -> `Model`.
 
-`Model.logits(token_ids)` runs the whole sequence (no cache) and returns f32 logits.
-Programs are compiled per input shape and cached by `jax.jit`.
+`Model.logits(token_ids)` runs the whole sequence (no cache) and returns f32 logits;
+programs are compiled per input shape and cached by `jax.jit`.
+`Model.generate(prompts, max_new_tokens, ...)` decodes on the step function with a decode
+state sized for the call (kept and reused while the sizes stay the same).
 """
 
 from __future__ import annotations
 
+import math
 import os
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +18,11 @@ import numpy as np
 from flax import nnx
 
 from dsv4.config import ModelConfig
+from dsv4.generation import Generator, derive_seed
 from dsv4.model import Transformer
 from dsv4.ops.registry import Backend, ops_for, parse_backend
+from dsv4.state import StateGeometry, default_page_tokens
+from dsv4.step import StepRunner, make_buckets
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "f32": jnp.float32}
 
@@ -36,6 +42,7 @@ class Model:
             return nnx.merge(graphdef, state).forward(ids, ops)
 
         self._logits = jax.jit(logits_fn)
+        self._generators: dict[tuple[int, int, int], Generator] = {}
 
     @property
     def module(self) -> Transformer:
@@ -50,6 +57,57 @@ class Model:
         """
         ids = self.validate_ids(token_ids)
         return self._logits(self._state, jnp.asarray(ids, jnp.int32))
+
+    def generate(self, token_ids: Sequence[Sequence[int]] | Sequence[int] | np.ndarray, max_new_tokens: int, *,
+                 temperature: float = 0.0, seed: int | None = None, stop_token_ids: Sequence[int] = (),
+                 max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
+                 progress: Callable[[int, int], None] | None = None) -> list[list[int]] | list[int]:
+        """Continue each prompt by up to `max_new_tokens` tokens on the step function.
+
+        token_ids: one prompt (a list of ints) or several (a list of lists or a 2-D array).
+        temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
+        seed: makes sampling reproducible; request i draws from its own stream derived from
+            (seed, i), so its tokens never depend on the other prompts. None draws a seed.
+        stop_token_ids: a request ends after emitting one of these (it is included).
+        max_num_seqs / max_num_batched_tokens: concurrent requests and tokens per step.
+        Returns the new tokens: a list for one prompt, a list of lists for several.
+        """
+        single = len(token_ids) > 0 and np.ndim(token_ids[0]) == 0
+        prompts = [list(map(int, token_ids))] if single else [list(map(int, p)) for p in token_ids]
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs at least one prompt, and every prompt at least one token")
+        for p in prompts:
+            self.validate_ids(np.asarray([p]))
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0 or not math.isfinite(temperature):
+            raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+        needed = max(len(p) for p in prompts) + max_new_tokens
+        if needed > self.config.max_position_embeddings:
+            raise ValueError(f"prompt + max_new_tokens = {needed} exceeds max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+        # Round the state's length up to a power of two so nearby calls reuse one compiled runner.
+        max_len = min(max(256, 1 << (needed - 1).bit_length()), self.config.max_position_embeddings)
+        gen = self._generator(max_num_seqs, max_num_batched_tokens, max_len)
+        base = int(np.random.SeedSequence().generate_state(1)[0]) if seed is None else int(seed)
+        seeds = [derive_seed(base, i) for i in range(len(prompts))]
+        out = gen.generate(prompts, max_new_tokens, temperature=temperature, seeds=seeds,
+                           stop_token_ids=stop_token_ids, progress=progress)
+        return out[0] if single else out
+
+    def _generator(self, max_num_seqs: int, max_num_batched_tokens: int, max_len: int) -> Generator:
+        key = (max_num_seqs, max_num_batched_tokens, max_len)
+        if key not in self._generators:
+            cfg = self.config
+            page = default_page_tokens(cfg)
+            per_seq = math.ceil(max_len / page)
+            dtype = self._state["embed"]["weight"][...].dtype
+            geometry = StateGeometry(num_slots=max_num_seqs, num_pages=max_num_seqs * per_seq, page_tokens=page,
+                                     max_pages_per_seq=per_seq, max_spec_tokens=0, dtype=dtype)
+            runner = StepRunner(self._graphdef, self._state, cfg, geometry,
+                                make_buckets(max_num_batched_tokens, max_num_seqs), ops_for(self.backend))
+            self._generators = {key: Generator(runner, max_num_batched_tokens)}  # one state at a time
+        return self._generators[key]
 
     def validate_ids(self, token_ids: Any) -> np.ndarray:
         ids = np.asarray(token_ids)

@@ -171,7 +171,12 @@ class StepContext:
     def build(cls, batch: StepBatch) -> "StepContext":
         r = batch.req_slot.shape[0]
         req = batch.token_req
-        valid = (req < r) & (batch.req_slot[jnp.clip(req, 0, r - 1)] >= 0)
+        rows = jnp.arange(batch.tokens.shape[0], dtype=jnp.int32)
+        clipped = jnp.clip(req, 0, r - 1)
+        # A row is a real token only if its request row is live AND the row lies inside that
+        # request's range, so stale request rows or stale token rows can never write state.
+        first, count = batch.req_first_row[clipped], batch.req_num_tokens[clipped]
+        valid = (req >= 0) & (req < r) & (batch.req_slot[clipped] >= 0) & (rows >= first) & (rows < first + count)
         safe = jnp.where(valid, req, 0)
 
         def per_token(a: jax.Array, fill: int) -> jax.Array:
@@ -179,7 +184,6 @@ class StepContext:
             return jnp.where(valid.reshape(-1, *([1] * (v.ndim - 1))), v, fill)
 
         start, first_row = per_token(batch.req_start, 0), per_token(batch.req_first_row, 0)
-        rows = jnp.arange(batch.tokens.shape[0], dtype=jnp.int32)
         return cls(valid=valid, positions=jnp.where(valid, start + rows - first_row, 0),
                    slot=per_token(batch.req_slot, 0), start=start, first_row=first_row,
                    end=start + per_token(batch.req_num_tokens, 0), page_table=per_token(batch.page_table, -1),

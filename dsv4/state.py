@@ -242,6 +242,14 @@ class StateGeometry:
         return self.page_tokens // ratio
 
 
+def default_page_tokens(cfg: ModelConfig, minimum: int = 16) -> int:
+    """The smallest page holding whole entries of every pool (the lcm of the compress ratios),
+    at least `minimum` positions: 128 for FLASH."""
+    ratios = [cfg.compress_ratio(i) for i in range(cfg.num_hidden_layers)]
+    lcm = math.lcm(*[r for r in ratios if r] or [1])
+    return lcm * math.ceil(minimum / lcm)
+
+
 def _kv_entry_format(cfg: ModelConfig, geometry: StateGeometry) -> EntryFormat:
     if geometry.kv_format is KVFormat.FP8:
         return EntryFormat.KV_FP8

@@ -1,0 +1,183 @@
+"""The one step function, its static buckets, and the runner that owns the decode state.
+
+`step(params, state, batch) -> (state', StepOutputs)` is the only program the engine runs on
+the device (DESIGN "The one step function"): a ragged batch of prefill chunks, decode
+tokens and verification blocks of many requests, padded to a static `Bucket`, against the
+decode state, which it donates. Outputs are one small pytree fetched with one
+`jax.device_get` per step.
+
+`StepRunner` lifecycle: construct (allocates the state), `warmup()` compiles every bucket
+ahead of time (with the persistent compilation cache when the entry point enabled it),
+then `run(chunks)` picks the smallest bucket that fits, packs the batch and runs the
+compiled program. A batch that needs a program not compiled in warm-up is a recompilation:
+an error under `CompilePolicy.ERROR` (tests), a warning and a counted metric under
+`CompilePolicy.WARN` (serving). The runner is single-threaded; the host that builds
+chunks owns it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import warnings
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv4.batch import Bucket, Chunk, StepBatch, pack_batch
+from dsv4.config import ModelConfig
+from dsv4.ops.registry import OpSet
+from dsv4.sampling import sample
+from dsv4.state import DecodeState, StateGeometry, init_state
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOutputs:
+    """What one step returns (rows follow the batch's out_rows / tap_rows).
+
+    tokens [O] int32: the sampled next token of each output row.
+    logits [O, V] f32, or None when the runner does not return logits.
+    taps [Ot, n_taps, D]: hidden taps for the draft head.
+    """
+
+    tokens: jax.Array
+    logits: jax.Array | None
+    taps: jax.Array
+
+
+def make_step(graphdef: nnx.GraphDef, geometry: StateGeometry, ops: OpSet, *,
+              return_logits: bool) -> Callable[[nnx.State, DecodeState, StepBatch], tuple[DecodeState, StepOutputs]]:
+    """The pure step function of a model (graphdef) for a state geometry and op set."""
+
+    def step(params: nnx.State, state: DecodeState, batch: StepBatch) -> tuple[DecodeState, StepOutputs]:
+        model = nnx.merge(graphdef, params)
+        state, logits, taps = model.step(state, batch, geometry, ops)
+        r = batch.req_slot.shape[0]
+        rows = jnp.clip(batch.out_rows, 0, batch.tokens.shape[0] - 1)
+        req = jnp.clip(batch.token_req[rows], 0, r - 1)
+        next_pos = batch.req_start[req] + rows - batch.req_first_row[req] + 1
+        tokens = sample(logits, batch.out_temperature, batch.out_seed, next_pos)
+        return state, StepOutputs(tokens=tokens, logits=logits if return_logits else None, taps=taps)
+
+    return step
+
+
+def _pow2_upto(limit: int) -> list[int]:
+    sizes = [1]
+    while sizes[-1] * 2 < limit:
+        sizes.append(sizes[-1] * 2)
+    return sorted(set(sizes + [limit]))
+
+
+def make_buckets(max_num_batched_tokens: int, max_num_seqs: int, *, max_spec_tokens: int = 0,
+                 taps: bool = False, token_sizes: Sequence[int] | None = None) -> tuple[Bucket, ...]:
+    """The bucket set: token counts (powers of two up to max_num_batched_tokens, or `token_sizes`)
+    times request counts (powers of two up to max_num_seqs), keeping requests <= tokens.
+
+    Each bucket returns up to min(tokens, requests * (max_spec_tokens + 1)) output rows (one
+    per decode request, K+1 per verified request) and, when `taps`, a tap row per token.
+    """
+    if max_num_batched_tokens < 1 or max_num_seqs < 1:
+        raise ValueError(f"max_num_batched_tokens and max_num_seqs must be >= 1, got "
+                         f"{max_num_batched_tokens} and {max_num_seqs}")
+    t_sizes = sorted(set(token_sizes)) if token_sizes else _pow2_upto(max_num_batched_tokens)
+    if t_sizes[0] < 1 or t_sizes[-1] > max_num_batched_tokens:
+        raise ValueError(f"token sizes {t_sizes} must lie in [1, {max_num_batched_tokens}]")
+    out = []
+    for t in t_sizes:
+        for r in _pow2_upto(max_num_seqs):
+            if r <= t:
+                out.append(Bucket(tokens=t, requests=r, outputs=min(t, r * (max_spec_tokens + 1)),
+                                  taps=t if taps else 0))
+    return tuple(out)
+
+
+class CompilePolicy(enum.Enum):
+    """What happens when a step needs a program that warm-up did not compile."""
+
+    ERROR = "error"  # raise RecompilationError (tests)
+    WARN = "warn"  # warn, count it in `StepRunner.recompilations`, compile and go on (serving)
+
+
+class RecompilationError(RuntimeError):
+    """A step needed a program outside the warmed-up bucket set."""
+
+
+def enable_compilation_cache(directory: str) -> None:
+    """Turn on JAX's persistent compilation cache in `directory` (for every program, at any size).
+
+    Called by entry points with the directory from their configuration; library code never
+    decides this on its own.
+    """
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class StepRunner:
+    """Owns the decode state on the device and one compiled step program per bucket."""
+
+    def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, config: ModelConfig, geometry: StateGeometry,
+                 buckets: Sequence[Bucket], ops: OpSet, *, return_logits: bool = False,
+                 policy: CompilePolicy = CompilePolicy.ERROR):
+        if not buckets:
+            raise ValueError("StepRunner needs at least one bucket")
+        self.config, self.geometry, self.policy = config, geometry, policy
+        self.buckets = tuple(sorted(set(buckets)))
+        self.params = params
+        self.state: DecodeState = jax.jit(lambda: init_state(config, geometry))()
+        self._step = jax.jit(make_step(graphdef, geometry, ops, return_logits=return_logits), donate_argnums=(1,))
+        self._compiled: dict[Bucket, Callable] = {}
+        self.recompilations = 0  # programs compiled after warm-up (a serving metric)
+        self._warm = False
+
+    def warmup(self, progress: Callable[[int, int, Bucket], None] | None = None) -> None:
+        """Compile every bucket now; `progress(i, n, bucket)` is called before each compile."""
+        for i, bucket in enumerate(self.buckets):
+            if progress is not None:
+                progress(i, len(self.buckets), bucket)
+            self._compile(bucket)
+        self._warm = True
+
+    def _compile(self, bucket: Bucket) -> Callable:
+        if bucket not in self._compiled:
+            example = pack_batch([], bucket, self.geometry)
+            with warnings.catch_warnings():
+                # CPU backends cannot donate every buffer; that costs a copy, not correctness.
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+                self._compiled[bucket] = self._step.lower(self.params, self.state, example).compile()
+        return self._compiled[bucket]
+
+    def bucket_for(self, n_tokens: int, n_requests: int, n_outputs: int, n_taps: int = 0) -> Bucket:
+        """The smallest warmed-up bucket (fewest tokens, then requests) that fits."""
+        for b in self.buckets:
+            if b.tokens >= n_tokens and b.requests >= n_requests and b.outputs >= n_outputs and b.taps >= n_taps:
+                return b
+        raise ValueError(f"no bucket fits {n_tokens} tokens / {n_requests} requests / {n_outputs} outputs / "
+                         f"{n_taps} taps; the largest is {self.buckets[-1]}")
+
+    def run(self, chunks: Sequence[Chunk]) -> StepOutputs:
+        """Run one step over `chunks` (one per request) in the smallest fitting bucket; host outputs."""
+        bucket = self.bucket_for(sum(len(c.tokens) for c in chunks), len(chunks),
+                                 sum(len(c.outputs) for c in chunks), sum(len(c.taps) for c in chunks))
+        return self.run_batch(pack_batch(chunks, bucket, self.geometry))
+
+    def run_batch(self, batch: StepBatch) -> StepOutputs:
+        """Run one step over an already packed batch; returns the outputs on the host (numpy)."""
+        bucket = batch.bucket
+        program = self._compiled.get(bucket)
+        if program is None:
+            if self._warm and self.policy is CompilePolicy.ERROR:
+                raise RecompilationError(f"bucket {bucket} was not compiled in warm-up "
+                                         f"(warmed: {len(self._compiled)} buckets)")
+            if self._warm:
+                self.recompilations += 1
+                warnings.warn(f"compiling step bucket {bucket} after warm-up (recompilation "
+                              f"#{self.recompilations})", RuntimeWarning, stacklevel=2)
+            program = self._compile(bucket)
+        self.state, outputs = program(self.params, self.state, batch)
+        return jax.device_get(outputs)
