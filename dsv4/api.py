@@ -45,6 +45,16 @@ class Model:
         self._generators: dict[tuple[int, int, int], Generator] = {}
 
     @property
+    def graphdef(self) -> nnx.GraphDef:
+        """The model's structure; with `params`, what step functions take (`dsv4.step.make_step`)."""
+        return self._graphdef
+
+    @property
+    def params(self) -> nnx.State:
+        """The parameter arrays on device."""
+        return self._state
+
+    @property
     def module(self) -> Transformer:
         """The NNX module (a fresh view over the same parameter arrays)."""
         return nnx.merge(self._graphdef, self._state)
