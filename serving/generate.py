@@ -1,8 +1,9 @@
 """Offline generation: `python -m serving.generate [--model DIR] --prompt TEXT ...`.
 
 Without --model it runs the embedded demo model (random TINY weights, byte tokenizer).
-Decoding here recomputes the full sequence (padded to a power-of-two bucket) for every new token through
-`dsv4.Model.logits` (no KV cache yet), greedy or seeded temperature sampling.
+All prompts are decoded together by `dsv4.Model.generate`: continuous batching on the one
+step function (chunked prefill, one decode token per running request per step) over the
+paged decode state; greedy or seeded temperature sampling, stopping at EOS.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import argparse
 import os
 import sys
 import time
-
-import numpy as np
 
 from serving.demo_model import ByteTokenizer, ensure_demo_checkpoint
 
@@ -27,7 +26,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded concurrently (default 8)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens per step (default 256)")
+    p.add_argument("--compilation-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dsv4-jax", "xla"),
+                   help="persistent XLA compilation cache directory ('' disables; default: %(default)s)")
     args = p.parse_args(argv)
+    if args.max_num_seqs < 1 or args.max_num_batched_tokens < args.max_num_seqs:
+        p.error("need --max-num-seqs >= 1 and --max-num-batched-tokens >= --max-num-seqs")
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
     if args.temperature < 0:
@@ -35,18 +40,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
-    if temperature == 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
-    p = np.exp(z - z.max())
-    return int(rng.choice(len(p), p=p / p.sum()))
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import dsv4
+    from dsv4.step import enable_compilation_cache
 
+    if args.compilation_cache:
+        enable_compilation_cache(args.compilation_cache)
     model_dir = args.model or ensure_demo_checkpoint(args.demo_dir)
     t0 = time.perf_counter()
     try:
@@ -59,25 +59,20 @@ def main(argv: list[str] | None = None) -> int:
           f"vocab {cfg.vocab_size}{' (demo model: random weights, output is noise)' if not args.model else ''}")
     print(model.load_summary)
     tok = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
-    rng = np.random.default_rng(args.seed)
-    for prompt in args.prompt or ["Hello, DeepSeek-V4!"]:
-        ids = tok.encode(prompt)
-        new: list[int] = []
-        t1 = time.perf_counter()
-        for _ in range(args.max_new_tokens):
-            seq = ids + new
-            # Pad to a power-of-two bucket so a handful of shapes are compiled, not one per
-            # length; the model is causal, so padding after the last token changes nothing before it.
-            bucket = max(32, 1 << (len(seq) - 1).bit_length())
-            padded = np.asarray([seq + [cfg.eos_token_id] * (bucket - len(seq))], np.int32)
-            logits = np.asarray(model.logits(padded)[0, len(seq) - 1])
-            nxt = sample(logits, args.temperature, rng)
-            new.append(nxt)
-            if nxt == cfg.eos_token_id:
-                break
-        dt = time.perf_counter() - t1
-        print(f"prompt: {prompt!r}\n  tokens: {new}\n  text: {tok.decode(new)!r}\n"
-              f"  {len(new)} tokens in {dt:.2f}s ({len(new) / dt:.1f} tok/s, full recompute per token)")
+    prompts = args.prompt or ["Hello, DeepSeek-V4!"]
+    t1 = time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        print(f"  finished {done}/{total} requests ({time.perf_counter() - t1:.1f}s)", flush=True)
+
+    outputs = model.generate([tok.encode(p) for p in prompts], args.max_new_tokens, temperature=args.temperature,
+                             seed=args.seed, stop_token_ids=[cfg.eos_token_id], max_num_seqs=args.max_num_seqs,
+                             max_num_batched_tokens=args.max_num_batched_tokens, progress=progress)
+    dt = time.perf_counter() - t1
+    for prompt, new in zip(prompts, outputs):
+        print(f"prompt: {prompt!r}\n  tokens: {new}\n  text: {tok.decode(new)!r}")
+    n = sum(len(o) for o in outputs)
+    print(f"{len(prompts)} requests, {n} tokens in {dt:.2f}s ({n / dt:.1f} tok/s, including compilation)")
     return 0
 
 
