@@ -114,8 +114,12 @@ class Model:
             dtype = self._state["embed"]["weight"][...].dtype
             geometry = StateGeometry(num_slots=max_num_seqs, num_pages=max_num_seqs * per_seq, page_tokens=page,
                                      max_pages_per_seq=per_seq, max_spec_tokens=0, dtype=dtype)
-            runner = StepRunner(self._graphdef, self._state, cfg, geometry,
-                                make_buckets(max_num_batched_tokens, max_num_seqs), ops_for(self.backend))
+            # Decode-only steps fit the small buckets; any step with a prefill chunk takes the
+            # full token budget, so few programs are compiled (each on first use).
+            sizes = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_batched_tokens]
+            buckets = make_buckets(max_num_batched_tokens, max_num_seqs,
+                                   token_sizes=sizes + [max_num_seqs, max_num_batched_tokens])
+            runner = StepRunner(self._graphdef, self._state, cfg, geometry, buckets, ops_for(self.backend))
             self._generators = {key: Generator(runner, max_num_batched_tokens)}  # one state at a time
         return self._generators[key]
 
