@@ -1,0 +1,1 @@
+"""Benchmark scripts; each row of BENCHMARKS.md names the command here that repeats it."""
