@@ -529,3 +529,21 @@ def test_moe_saturates_through_both_paths():
     for fn in (grouped, loop):
         got = _np(fn(*(jnp.asarray(v) for v in (x, sel, wt, w1, w3, w2)), limit=limit))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_map_in_tiles_equals_one_pass_including_a_ragged_last_tile():
+    from dsv4.ops.tiling import map_in_tiles
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(11, 4)), jnp.float32)
+    idx = jnp.asarray(rng.integers(0, 5, size=(11, 3)), jnp.int32)
+
+    def fn(args):
+        a, i = args
+        return jnp.cumsum(a, axis=1) * jnp.sum(i, axis=1, keepdims=True), i[:, :1] + 1
+
+    want = fn((x, idx))
+    for tile in (1, 3, 4, 11, 64):
+        got = map_in_tiles(fn, (x, idx), tile)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))

@@ -318,3 +318,24 @@ def test_warn_policy_counts_recompilations(tiny_f32):
         warnings.simplefilter("error")
         runner.run_batch(batch)  # compiled once, cached since
     assert runner.recompilations == 1
+
+
+def test_a_chunk_longer_than_the_op_tiles_gives_the_full_forward_logits(tiny_f32):
+    """One 1100-token prefill chunk (more than the attention, indexer and MoE tiles of the
+    reference ops), then decode steps."""
+    from dsv4.ops.indexer_topk.reference import QUERY_TILE as INDEX_TILE
+    from dsv4.ops.moe_experts.reference import TOKEN_TILE
+    from dsv4.ops.sparse_attention.reference import QUERY_TILE as ATTN_TILE
+
+    n = 1100
+    assert n > max(INDEX_TILE, ATTN_TILE, TOKEN_TILE)
+    model = tiny_f32
+    geometry = _geometry(model, slots=1, max_len=1152)
+    driver = Driver(model, geometry, Bucket(tokens=n, requests=1, outputs=n))
+    seq = np.random.default_rng(9).integers(0, TINY.vocab_size, n + 3)
+    got = driver.run([Chunk(slot=0, start=0, tokens=seq[:n].tolist(), pages=pages_for(0, geometry),
+                            outputs=list(range(n)))])[0]
+    for p in range(n, n + 3):
+        got = np.concatenate([got, driver.run([Chunk(slot=0, start=p, tokens=[int(seq[p])],
+                                                     pages=pages_for(0, geometry), outputs=[0])])[0]])
+    _assert_close(got, _full_logits(model, [seq])[0], np.float32)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv4.ops.tiling import map_in_tiles
 from dsv4.state import EntryTable
 
 # Queries scored per tile in the paged form: bounds the gathered [tile, S, J] candidate keys.
@@ -65,7 +66,4 @@ def indexer_topk_paged(q_TIJ: jax.Array, w_TI: jax.Array, keys: EntryTable, cand
         q, w, rows, limit = args
         return _top_visible(_scores(q, keys.gather(rows), w), limit, topk)
 
-    args = (q_TIJ, w_TI, candidate_rows_TS, limit_T)
-    if q_TIJ.shape[0] <= QUERY_TILE:
-        return tile(args)
-    return jax.lax.map(tile, args, batch_size=QUERY_TILE)
+    return map_in_tiles(tile, (q_TIJ, w_TI, candidate_rows_TS, limit_T), QUERY_TILE)

@@ -15,6 +15,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv4.ops.tiling import map_in_tiles
+
+TOKEN_TILE = 1024  # tokens per grouped GEMM (bounds the ragged_dot intermediate)
+
 
 def swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:
     """Clamped SwiGLU in f32: the up projection both sides, the gate from above only."""
@@ -39,7 +43,16 @@ def moe_experts_loop(x_TD: jax.Array, sel_TK: jax.Array, w_TK: jax.Array, w1_EFD
 
 def moe_experts_grouped(x_TD: jax.Array, sel_TK: jax.Array, w_TK: jax.Array, w1_EFD: jax.Array,
                         w3_EFD: jax.Array, w2_EDF: jax.Array, limit: float) -> jax.Array:
-    """Sort assignments by expert, two ragged_dot grouped GEMMs, unsort, sum over K. f32 [T, D]."""
+    """Sort assignments by expert, two ragged_dot grouped GEMMs, unsort, sum over K. f32 [T, D].
+
+    Runs TOKEN_TILE tokens at a time: XLA may lower ragged_dot to a dense dot of every row
+    against every expert, whose intermediate grows with T * K * E.
+    """
+    return map_in_tiles(lambda a: _grouped(*a, w1_EFD, w3_EFD, w2_EDF, limit), (x_TD, sel_TK, w_TK), TOKEN_TILE)
+
+
+def _grouped(x_TD: jax.Array, sel_TK: jax.Array, w_TK: jax.Array, w1_EFD: jax.Array, w3_EFD: jax.Array,
+             w2_EDF: jax.Array, limit: float) -> jax.Array:
     t, k = sel_TK.shape
     n_experts = w1_EFD.shape[0]
     flat_sel = sel_TK.reshape(-1)

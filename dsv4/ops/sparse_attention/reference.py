@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv4.ops.tiling import map_in_tiles
 from dsv4.state import EntryTable
 
 # Queries attended per tile in the paged form: bounds the gathered [tile, X, H] rows of a
@@ -72,6 +73,4 @@ def sparse_attention_paged(q_TNH: jax.Array, window: tuple[EntryTable, EntryTabl
         return attend(q, kv, valid, sink_N, scale)
 
     c_idx = compressed_idx_TX if compressed is not None else jnp.zeros((q_TNH.shape[0], 0), jnp.int32)
-    if q_TNH.shape[0] <= QUERY_TILE:
-        return tile((q_TNH, window_idx_TW, c_idx))
-    return jax.lax.map(tile, (q_TNH, window_idx_TW, c_idx), batch_size=QUERY_TILE)
+    return map_in_tiles(tile, (q_TNH, window_idx_TW, c_idx), QUERY_TILE)
