@@ -8,7 +8,6 @@ import math
 import warnings
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -191,8 +190,11 @@ def test_padding_rows_and_empty_request_rows_never_touch_real_state(tiny_f32):
 
 
 def test_fp8_kv_and_packed_indexer_keys_reproduce_the_fake_quant_model(tmp_path_factory):
+    # float32 activations: in bfloat16 the step and the whole-sequence program round at
+    # different points (GPU fusions keep excess precision), and a flipped indexer choice or
+    # fp4 rounding then moves logits far beyond bf16 noise (seen on the H200: 0.26 relative).
     cfg = TINY.replace(fake_quant=True)
-    model = _model(tmp_path_factory, cfg, dtype="bfloat16", quantized=True)
+    model = _model(tmp_path_factory, cfg, dtype="float32", quantized=True)
     rng = np.random.default_rng(5)
     seqs = [rng.integers(0, cfg.vocab_size, n) for n in (75, 50)]
     results = {}
@@ -213,7 +215,7 @@ def test_fp8_kv_and_packed_indexer_keys_reproduce_the_fake_quant_model(tmp_path_
             np.testing.assert_array_equal(a, b, err_msg=f"{key} differs from the dense fake-quant state")
     full = _full_logits(model, seqs)
     for i, s in enumerate(seqs):
-        _assert_close(dense[i], full[i, :len(s)], jnp.bfloat16)
+        _assert_close(dense[i], full[i, :len(s)], np.float32)
 
 
 def test_packed_formats_require_fake_quant(tiny_f32):
