@@ -24,7 +24,6 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dsv4.batch import Bucket, Chunk, StepBatch, pack_batch

@@ -13,7 +13,6 @@ from checkpoints.loader import load_checkpoint
 from checkpoints.safetensors_io import CheckpointError, CheckpointReader, read_header, write_file
 from checkpoints.testing import write_tiny_checkpoint
 from dsv4.config import TINY
-from dsv4.ops.registry import ops_for
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ Routing and top-k inputs carry distinct bumps so that no selection depends on ti
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -73,14 +73,14 @@ class Compressor(nnx.Module):
             gate = jnp.concatenate([prev_gate, gate[..., d:]], axis=2)
         return self.pool(kv, gate, jnp.arange(n)[None], x_BTD.dtype, freqs)
 
-    def step(self, x_TD: jax.Array, ctx: StepContext, ring: CompressorRing, ring_size: int,
-             freqs: tuple[float, ...]) -> tuple[CompressorRing, jax.Array, jax.Array, jax.Array]:
-        """Entries completed by the step's tokens.
+    def step(self, x_TD: jax.Array, ctx: StepContext, ring: CompressorRing, ring_size: int, pool: EntryTable,
+             entries_per_page: int, freqs: tuple[float, ...]) -> tuple[CompressorRing, EntryTable]:
+        """Write the entries the step's tokens complete into `pool`: (ring', pool').
 
-        Returns (ring', entries [X, dim], entry ids [X], token rows [X]) for X = the most
-        entries the bucket can complete; unused rows have token row T. An entry pools its
+        At most T//ratio + R entries complete in a step (a static bound). An entry pools its
         window's projections from the step's own rows where the request computed them in
-        this step, and from the slot's ring for earlier positions.
+        this step, and from the slot's ring for earlier positions. The pool is written raw;
+        its codec applies the QAT transform when fake quant is on.
         """
         t = x_TD.shape[0]
         r, d = self.ratio, self.dim
@@ -109,7 +109,9 @@ class Compressor(nnx.Module):
         write = ctx.ring_write_rows(ring_size, ring.kv.shape[0])
         ring = CompressorRing(kv=ring.kv.at[write].set(kv, mode="drop"),
                               gate=ring.gate.at[write].set(gate, mode="drop"))
-        return ring, entries, jnp.where(rows < t, blocks, -1), rows
+        entry_ids = jnp.where(rows < t, blocks, -1)[:, None]
+        pool_rows = ctx.entry_rows(entry_ids, entries_per_page, pool.drop_row, tokens=safe)[:, 0]
+        return ring, pool.write(pool_rows, entries)
 
 
 class Indexer(nnx.Module):
@@ -146,11 +148,7 @@ class Indexer(nnx.Module):
         r = cfg.csa_ratio
         epp = geometry.entries_per_page(r)
         q = apply_rope(self.wq_b(qr_TL).reshape(t, cfg.index_n_heads, cfg.index_head_dim), ctx.positions, freqs)
-        ring, entries, entry_ids, rows = self.compressor.step(x_TD, ctx, ring, geometry.compressor_ring_size(r, True),
-                                                              freqs)
-        # Keys are written raw: the table's codec applies the QAT transform when it is on.
-        keys = keys.write(ctx.entry_rows(entry_ids[:, None], epp, keys.drop_row, tokens=jnp.minimum(rows, t - 1))[:, 0],
-                          entries)
+        ring, keys = self.compressor.step(x_TD, ctx, ring, geometry.compressor_ring_size(r, True), keys, epp, freqs)
         if cfg.fake_quant:
             q = quant.fake_quant_indexer(q)
         w = self._head_weights(x_TD)
@@ -235,7 +233,6 @@ class Attention(nnx.Module):
         entries completed in this step are written first, then read like older ones.
         """
         cfg = self.cfg
-        t = x_TD.shape[0]
         q, qr, kv = self.project_in(x_TD, ctx.positions)
         ring_size = geometry.ring_size(cfg)
         fresh = EntryTable.from_values(kv, like=st.window)
@@ -248,11 +245,9 @@ class Attention(nnx.Module):
         if self.kind is not AttentionKind.SLIDING:
             r = self.compressor.ratio
             epp = geometry.entries_per_page(r)
-            ring, entries, entry_ids, rows = self.compressor.step(
-                x_TD, ctx, st.compressor, geometry.compressor_ring_size(r, self.compressor.overlap), self.freqs)
-            comp = st.compressed.write(
-                ctx.entry_rows(entry_ids[:, None], epp, st.compressed.drop_row, tokens=jnp.minimum(rows, t - 1))[:, 0],
-                entries)
+            ring, comp = self.compressor.step(x_TD, ctx, st.compressor,
+                                              geometry.compressor_ring_size(r, self.compressor.overlap),
+                                              st.compressed, epp, self.freqs)
             new_st = dataclasses.replace(new_st, compressed=comp, compressor=ring)
             if self.kind is AttentionKind.CSA:
                 keys, iring, sel = self.indexer.step(x_TD, qr, ctx, st.index_keys, st.index_compressor, geometry,

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv4.config import ModelConfig, RoutingKind, WeightFormat
+from dsv4.config import ModelConfig, RoutingKind
 from dsv4.layers.linear import ExpertWeights, Linear
 from dsv4.ops.moe_experts.reference import swiglu
 from dsv4.ops.registry import OpSet
