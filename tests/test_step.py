@@ -8,6 +8,7 @@ import math
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -16,7 +17,7 @@ import dsv4
 from checkpoints.testing import write_tiny_checkpoint
 from dsv4.batch import Bucket, Chunk, pack_batch
 from dsv4.config import TINY
-from dsv4.ops.registry import ops_for
+from dsv4.ops.registry import Backend, ops_for
 from dsv4.state import IndexKeyFormat, KVFormat, StateGeometry
 from dsv4.step import CompilePolicy, RecompilationError, StepRunner, make_buckets
 from tests.decode_driver import Driver, pages_for
@@ -341,3 +342,26 @@ def test_a_chunk_longer_than_the_op_tiles_gives_the_full_forward_logits(tiny_f32
         got = np.concatenate([got, driver.run([Chunk(slot=0, start=p, tokens=[int(seq[p])],
                                                      pages=pages_for(0, geometry), outputs=[0])])[0]])
     _assert_close(got, _full_logits(model, [seq])[0], np.float32)
+
+
+def test_taps_are_the_stream_means_of_the_target_layers_outputs(tmp_path_factory):
+    # A checkpoint names its tap layers only with its DSpark head; set them on a loaded tower.
+    module = _model(tmp_path_factory, TINY).module
+    cfg = module.cfg = TINY.replace(dspark_target_layer_ids=(1, 3, 4))
+    model = dsv4.api.Model(module, Backend.REFERENCE)
+    geometry = _geometry(model, slots=1)
+    seq = np.random.default_rng(4).integers(0, cfg.vocab_size, 30)
+    driver = Driver(model, geometry, Bucket(tokens=32, requests=1, outputs=1, taps=8))
+    rows = [0, 7, 16, 29]
+    _, out = driver.run_batch(driver.pack([Chunk(slot=0, start=0, tokens=seq.tolist(), pages=pages_for(0, geometry),
+                                                 outputs=[29], taps=rows)]))
+    module = model.module
+    ops = ops_for("reference")
+    ids = jnp.asarray(seq[None], jnp.int32)
+    h, want = module.embed_streams(ids), []
+    for i, block in enumerate(module.layers):
+        h = block(h, ids, ops)
+        if i in cfg.dspark_target_layer_ids:
+            want.append(np.asarray(h[0, rows]).mean(axis=1))
+    assert out.taps.shape == (8, 3, cfg.hidden_size)
+    _assert_close(out.taps[:len(rows)], np.stack(want, axis=1), np.float32)
