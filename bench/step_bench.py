@@ -27,13 +27,11 @@ Cases:
   `start = context + i` at step i, so it reads the same rows, as many of them, as a real
   decode at that length would. Only the state's contents are synthetic.
 - prefill L: one request, a chunk of L tokens from position 0, bucket (L, 1, 1); every
-  step rewrites the same positions. The reference attention and indexer work in query
-  tiles, but the reference MoE does not: XLA expands `ragged_dot` (on CPU, and on GPU
-  without a grouped-GEMM backend) into a dense dot of the T*K routed rows against all E
-  experts, so its temporaries grow as T*K*E*F. An XLA:CPU buffer analysis of 4 FLASH
-  layers gives ~80 GB (weights included) at L = 512, ~180 GB at L = 8192: long chunks are
-  expected to report OOM; lower `--prefill` to get a figure. On a GPU, let XLA use most
-  of the memory (XLA_PYTHON_CLIENT_MEM_FRACTION=0.95; the default is 0.75).
+  step rewrites the same positions. The reference attention, indexer and MoE work in
+  tiles of queries / tokens (`dsv4/ops/*/reference.py`), so their temporaries stay
+  bounded: 8192- and 65536-token chunks of 4 FLASH layers ran on one H200 (2026-11-29).
+  On a GPU, let XLA use most of the memory (XLA_PYTHON_CLIENT_MEM_FRACTION=0.95; the
+  default is 0.75).
 
 Layers: the first N layers of the config's pattern. FLASH's first four (the default) are
 sliding, sliding, CSA, HCA, with hash routing in layers 0-2 and score routing in layer 3,
