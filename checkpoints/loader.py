@@ -25,8 +25,8 @@ from dsv4 import quant
 from dsv4.config import ModelConfig, WeightFormat
 from dsv4.model import Transformer, storage_config
 
-# Maps a parameter's official (stacked) name to where it should live; None = default device.
-ShardingFn = Callable[[str], jax.sharding.Sharding | None]
+# Maps a parameter's official (stacked) name and shape to where it should live; None = default device.
+ShardingFn = Callable[[str, tuple[int, ...]], jax.sharding.Sharding | None]
 # Called after each parameter is placed: (parameters done, parameters in all, bytes placed so far).
 ProgressFn = Callable[[int, int, int], None]
 
@@ -114,8 +114,8 @@ def load_checkpoint(directory: str | os.PathLike, *, dtype: jnp.dtype = jnp.bflo
             specs = by_path[tuple(path)]
             value = _load_param(reader, specs, target, cfg)
             n_bytes += value.size * value.dtype.itemsize
-            dest = sharding(path_name(path)) if sharding is not None else None
-            flat.append((path, var.replace(jax.device_put(value, dest))))
+            dest = sharding(path_name(path), tuple(target.shape)) if sharding is not None else None
+            flat.append((path, var.replace(_place(value, dest))))
             if progress is not None:
                 progress(i + 1, len(entries), n_bytes)
         state = nnx.from_flat_state(flat)
@@ -127,16 +127,26 @@ def load_checkpoint(directory: str | os.PathLike, *, dtype: jnp.dtype = jnp.bflo
 
 
 def _load_param(reader: CheckpointReader, specs: list[TensorSpec], target: jax.ShapeDtypeStruct,
-                cfg: ModelConfig) -> jax.Array:
-    """Read the tensors that fill one parameter: one tensor, or one per routed expert stacked
-    along E in id order; decoded to the dense target when it is not stored as on disk."""
+                cfg: ModelConfig) -> np.ndarray:
+    """Read the tensors that fill one parameter, on the host: one tensor, or one per routed
+    expert stacked along E in id order; decoded to the dense target when it is not stored as
+    on disk (on the CPU backend, so no accelerator ever holds a whole tensor)."""
     stacked = specs[0].expert is not None
     specs = sorted(specs, key=lambda s: s.expert) if stacked else specs
     values = [_host_value(reader, s, np.dtype(target.dtype)) for s in specs]
     host = np.stack(values) if stacked else values[0]
     if host.shape == tuple(target.shape) and host.dtype == target.dtype:
+        return host
+    with jax.default_device(jax.devices("cpu")[0]):
+        return np.asarray(_decode(reader, specs, host, target, cfg))
+
+
+def _place(host: np.ndarray, dest: jax.sharding.Sharding | None) -> jax.Array:
+    """A device array from a host one: on the default device, or each device receiving only
+    the slices its shard holds (never a full copy on one device first)."""
+    if dest is None:
         return jnp.asarray(host)
-    return _decode(reader, specs, host, target, cfg)
+    return jax.make_array_from_callback(host.shape, dest, lambda index: host[index])
 
 
 def _decode(reader: CheckpointReader, specs: list[TensorSpec], data: np.ndarray, target: jax.ShapeDtypeStruct,

@@ -205,7 +205,7 @@ def restore_converted(src: str | os.PathLike, *, sharding: ShardingFn | None = N
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
     def target(path, leaf) -> jax.ShapeDtypeStruct:
-        dest = sharding(path_name(path)) if sharding is not None else None
+        dest = sharding(path_name(path), tuple(leaf.shape)) if sharding is not None else None
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=dest if dest is not None else default)
 
     abstract = _nested({tuple(p): target(p, v.get_value()) for p, v in flat})

@@ -21,6 +21,7 @@ from dsv4.config import ModelConfig
 from dsv4.generation import Generator, derive_seed
 from dsv4.model import Transformer
 from dsv4.ops.registry import Backend, ops_for, parse_backend
+from dsv4.sharding import Placement
 from dsv4.state import StateGeometry, default_page_tokens
 from dsv4.step import StepRunner, make_buckets
 
@@ -30,9 +31,11 @@ _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float3
 class Model:
     """A loaded target tower with its op backend. Holds the parameters on device."""
 
-    def __init__(self, module: Transformer, backend: Backend, load_summary: str = ""):
+    def __init__(self, module: Transformer, backend: Backend, load_summary: str = "",
+                 placement: Placement | None = None):
         self.config: ModelConfig = module.cfg
         self.backend = backend
+        self.placement = placement  # the mesh and rules the parameters are sharded by (None: one device)
         self.load_summary = load_summary  # one line: what was loaded from where
         self._graphdef, self._state = nnx.split(module)
         ops = ops_for(backend)
@@ -119,7 +122,8 @@ class Model:
             sizes = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_batched_tokens]
             buckets = make_buckets(max_num_batched_tokens, max_num_seqs,
                                    token_sizes=sizes + [max_num_seqs, max_num_batched_tokens])
-            runner = StepRunner(self._graphdef, self._state, cfg, geometry, buckets, ops_for(self.backend))
+            runner = StepRunner(self._graphdef, self._state, cfg, geometry, buckets, ops_for(self.backend),
+                                placement=self.placement)
             self._generators = {key: Generator(runner, max_num_batched_tokens)}  # one state at a time
         return self._generators[key]
 
@@ -144,7 +148,8 @@ class Model:
 
 
 def load_pretrained(path: str | os.PathLike, *, dtype: str | Any | None = None, backend: str | Backend = "reference",
-                    quantized: bool | None = None, fake_quant: bool | None = None) -> Model:
+                    quantized: bool | None = None, fake_quant: bool | None = None,
+                    placement: Placement | None = None) -> Model:
     """Load a DeepSeek-V4 checkpoint directory for inference: the official safetensors format
     (streamed tensor by tensor), or a directory written by `python -m checkpoints.convert`
     (Orbax, restored directly; its dtype and quantization were fixed at conversion).
@@ -157,6 +162,9 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | Any | None = None, 
         for a converted one.
     fake_quant: the official KV/indexer QAT simulation; default on for FP8 checkpoints (as the
         official release) and off otherwise. Turn it off to compare with the HF port.
+    placement: shard over a device mesh (`dsv4.sharding.Placement(make_mesh(...), deployment)`):
+        every tensor goes straight onto its shards while loading, and `generate` runs the
+        sharded step. None: the default device.
     """
     # Imported here: `checkpoints` depends on `dsv4`, not the other way round; this facade is
     # the one place the model package reaches the loader.
@@ -164,6 +172,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | Any | None = None, 
     from checkpoints.orbax_io import is_converted, restore_converted
 
     converted = is_converted(path)
+    sharding = placement.param_sharding if placement is not None else None
     if dtype is None:
         dtype = None if converted else jnp.bfloat16
     elif isinstance(dtype, str):
@@ -173,10 +182,12 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | Any | None = None, 
     backend = parse_backend(backend)
     if converted:
         # Storage (dtype, quantized) was fixed at conversion: None accepts it, a different request raises.
-        module, manifest = restore_converted(path, dtype=dtype, quantized=quantized, fake_quant=fake_quant)
+        module, manifest = restore_converted(path, dtype=dtype, quantized=quantized, fake_quant=fake_quant,
+                                             sharding=sharding)
         summary = (f"restored {path} (converted: dtype {manifest['dtype']}, quantized={manifest['quantized']}, "
                    f"{len(manifest.get('draft_tensors', []))} draft tensors listed)")
-        return Model(module, backend, summary)
+        return Model(module, backend, summary, placement)
     overrides = {} if fake_quant is None else {"fake_quant": fake_quant}
-    module, report = load_checkpoint(path, dtype=dtype, quantized=bool(quantized), config_overrides=overrides)
-    return Model(module, backend, report.summary())
+    module, report = load_checkpoint(path, dtype=dtype, quantized=bool(quantized), config_overrides=overrides,
+                                     sharding=sharding)
+    return Model(module, backend, report.summary(), placement)

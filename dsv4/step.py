@@ -30,6 +30,7 @@ from dsv4.batch import Bucket, Chunk, StepBatch, pack_batch
 from dsv4.config import ModelConfig
 from dsv4.ops.registry import OpSet
 from dsv4.sampling import sample
+from dsv4.sharding import Placement
 from dsv4.state import DecodeState, StateGeometry, init_state
 
 
@@ -122,14 +123,27 @@ class StepRunner:
 
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, config: ModelConfig, geometry: StateGeometry,
                  buckets: Sequence[Bucket], ops: OpSet, *, return_logits: bool = False,
-                 policy: CompilePolicy = CompilePolicy.ERROR):
+                 policy: CompilePolicy = CompilePolicy.ERROR, placement: Placement | None = None):
+        """placement: run sharded on a mesh (params are placed onto their shards here and the
+        state is allocated sharded); None runs on the default device."""
         if not buckets:
             raise ValueError("StepRunner needs at least one bucket")
         self.config, self.geometry, self.policy = config, geometry, policy
         self.buckets = tuple(sorted(set(buckets)))
-        self.params = params
-        self.state: DecodeState = jax.jit(lambda: init_state(config, geometry))()
-        self._step = jax.jit(make_step(graphdef, geometry, ops, return_logits=return_logits), donate_argnums=(1,))
+        step = make_step(graphdef, geometry, ops, return_logits=return_logits)
+        init = lambda: init_state(config, geometry)  # noqa: E731
+        if placement is None:
+            self.params = params
+            self.state: DecodeState = jax.jit(init)()
+            self._step = jax.jit(step, donate_argnums=(1,))
+        else:
+            self.params = placement.place_params(params)
+            state_sh = placement.state_shardings(jax.eval_shape(init))
+            self.state = jax.jit(init, out_shardings=state_sh)()
+            rep = placement.replicated()
+            self._step = jax.jit(step, donate_argnums=(1,),
+                                 in_shardings=(placement.param_shardings(params), state_sh, rep),
+                                 out_shardings=(state_sh, rep))
         self._compiled: dict[Bucket, Callable] = {}
         self.recompilations = 0  # programs compiled after warm-up (a serving metric)
         self._warm = False

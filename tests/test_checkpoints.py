@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import dsv4
 from checkpoints.loader import load_checkpoint
@@ -190,7 +191,7 @@ def test_loader_places_each_tensor_with_its_sharding(dense_dir):
     device = jax.devices()[-1]
     seen = []
 
-    def sharding(name):
+    def sharding(name, shape):
         seen.append(name)
         return jax.sharding.SingleDeviceSharding(device)
 
@@ -205,3 +206,16 @@ def test_loader_reports_progress(dense_dir):
     done, total, n_bytes = zip(*calls)
     assert list(done) == list(range(1, total[0] + 1)) and set(total) == {total[0]}
     assert n_bytes[-1] == report.n_bytes and list(n_bytes) == sorted(n_bytes)
+
+
+def test_loader_places_each_tensor_onto_its_mesh_shards(dense_dir):
+    from dsv4 import sharding as sh
+
+    placement = sh.Placement(sh.make_mesh(sh.Deployment.TP, (2,)), sh.Deployment.TP)
+    model, _ = load_checkpoint(dense_dir, dtype=jnp.float32, sharding=placement.param_sharding)
+    plain, _ = load_checkpoint(dense_dir, dtype=jnp.float32)
+    w = model.layers[1].ffn.experts.w1.weight[...]
+    assert w.sharding.spec == jax.sharding.PartitionSpec("tensor", None, None)
+    assert w.addressable_shards[0].data.shape[0] == w.shape[0] // 2
+    for (_, a), (_, b) in zip(nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(nnx.state(plain))):
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()))

@@ -1,0 +1,127 @@
+"""Sharded step == unsharded step on forced CPU devices; the FLASH sharding golden dumps;
+the replication guard."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+import dsv4
+from checkpoints.inventory import abstract_model
+from checkpoints.testing import write_tiny_checkpoint
+from dsv4 import sharding as sh
+from dsv4.batch import Bucket, Chunk
+from dsv4.config import FLASH, TINY
+from dsv4.model import storage_config
+from dsv4.ops.registry import ops_for
+from dsv4.state import StateGeometry
+from dsv4.step import StepRunner
+from tests.tolerances import REL
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+# Heads, groups and indexer heads divisible by 4 so TP=4 splits whole heads.
+SHARDABLE_TINY = TINY.replace(num_attention_heads=8, o_groups=4, index_n_heads=8)
+MESHES = [(sh.Deployment.TP, (2,)), (sh.Deployment.TP, (4,)), (sh.Deployment.TP_EP, (2, 2)),
+          (sh.Deployment.DP_TP, (2, 2))]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("shardable")
+    write_tiny_checkpoint(SHARDABLE_TINY, path, seed=3, quantized=True)
+    return dsv4.load_pretrained(path, dtype="float32", quantized=True)
+
+
+def _run(model, placement):
+    geometry = StateGeometry(num_slots=4, num_pages=32, page_tokens=16, max_pages_per_seq=8, max_spec_tokens=2,
+                             dtype=np.float32)
+    runner = StepRunner(model.graphdef, model.params, model.config, geometry, [Bucket(32, 4, 32)],
+                        ops_for("reference"), return_logits=True, placement=placement)
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, SHARDABLE_TINY.vocab_size, 60) for _ in range(4)]
+    plan = [[(0, 20), (0, 12)], [(20, 1), (12, 9), (0, 16)], [(21, 1), (21, 1), (16, 14), (0, 8)],
+            [(22, 10), (22, 1), (30, 1), (8, 1)]]
+    outs = []
+    for step in plan:
+        chunks = [Chunk(slot=i, start=s, tokens=seqs[i][s:s + n].tolist(), pages=list(range(8 * i, 8 * i + 8)),
+                        outputs=list(range(n)), temperature=0.7 * (i % 2), seed=i) for i, (s, n) in enumerate(step)]
+        out = runner.run(chunks)
+        outs.append((out.logits[:sum(len(c.outputs) for c in chunks)], out.tokens[:sum(len(c.outputs) for c in chunks)]))
+    return runner, outs
+
+
+@pytest.fixture(scope="module")
+def unsharded(model):
+    return _run(model, None)[1]
+
+
+@pytest.mark.parametrize("deployment, sizes", MESHES, ids=[f"{d.value}{s}" for d, s in MESHES])
+def test_sharded_step_equals_unsharded(model, unsharded, deployment, sizes):
+    mesh = sh.make_mesh(deployment, sizes)
+    runner, outs = _run(model, sh.Placement(mesh, deployment))
+    wq_b = runner.params["layers"][1]["attn"]["wq_b"]["weight"][...]
+    assert wq_b.sharding.spec == PartitionSpec("tensor", None)
+    assert wq_b.addressable_shards[0].data.shape[0] == wq_b.shape[0] // mesh.shape["tensor"]
+    window = runner.state[0].window.arrays[0]
+    want_rows = window.shape[0] // mesh.shape.get("data", 1)
+    assert window.addressable_shards[0].data.shape[0] == want_rows
+    for (logits, tokens), (ref_logits, ref_tokens) in zip(outs, unsharded):
+        err = np.max(np.abs(logits - ref_logits)) / np.max(np.abs(ref_logits))
+        assert err <= REL[np.dtype(np.float32)], err
+        np.testing.assert_array_equal(tokens, ref_tokens)
+
+
+@pytest.fixture(scope="module")
+def flash_params():
+    _, state = nnx.split(abstract_model(storage_config(FLASH, True), jnp.bfloat16))
+    return state
+
+
+@pytest.mark.parametrize("deployment, sizes", [(sh.Deployment.TP, (2,)), (sh.Deployment.TP, (4,)),
+                                               (sh.Deployment.TP_EP, (2, 2))])
+def test_flash_sharding_matches_the_golden_dump(flash_params, deployment, sizes, request):
+    mesh = jax.sharding.AbstractMesh(sizes, tuple(a.value for a in sh.MESH_AXES[deployment]))
+    specs = sh.param_specs(flash_params, sh.RULES[deployment], dict(mesh.shape))
+    report = sh.sharding_report(flash_params, specs)
+    path = os.path.join(GOLDEN, f"sharding_flash_{deployment.value}_{'x'.join(map(str, sizes))}.txt")
+    if request.config.getoption("--update-golden"):
+        os.makedirs(GOLDEN, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(report)
+    with open(path) as f:
+        golden = f.read()
+    assert report == golden, f"sharding of FLASH changed; review and rerun with --update-golden ({path})"
+    assert sh.check_replication(flash_params, specs, max_share=0.01) < 0.01
+
+
+def test_replication_guard_names_what_a_rules_table_forgot(flash_params):
+    rules = dict(sh.RULES[sh.Deployment.TP])
+    del rules[sh.EXPERTS]
+    specs = sh.param_specs(flash_params, rules, {"tensor": 4})
+    with pytest.raises(ValueError, match="ffn.experts"):
+        sh.check_replication(flash_params, specs, max_share=0.05)
+
+
+def test_mesh_errors():
+    with pytest.raises(ValueError, match="needs 2 positive"):
+        sh.make_mesh(sh.Deployment.TP_EP, (2,))
+    with pytest.raises(ValueError, match="devices"):
+        sh.make_mesh(sh.Deployment.TP, (len(jax.devices()) + 1,))
+
+
+def test_load_pretrained_with_a_placement_generates_like_one_device(tmp_path):
+    write_tiny_checkpoint(SHARDABLE_TINY, tmp_path, seed=5)
+    plain = dsv4.load_pretrained(tmp_path, dtype="float32")
+    placement = sh.Placement(sh.make_mesh(sh.Deployment.TP, (4,)), sh.Deployment.TP)
+    sharded = dsv4.load_pretrained(tmp_path, dtype="float32", placement=placement)
+    w = sharded.params["layers"][1]["attn"]["wo_a"]["weight"][...]
+    assert w.sharding.spec == PartitionSpec("tensor", None) and len(w.sharding.device_set) == 4
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
+    kw = dict(max_num_seqs=2, max_num_batched_tokens=16)
+    assert sharded.generate(prompts, 6, **kw) == plain.generate(prompts, 6, **kw)
