@@ -125,3 +125,18 @@ def test_load_pretrained_with_a_placement_generates_like_one_device(tmp_path):
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
     kw = dict(max_num_seqs=2, max_num_batched_tokens=16)
     assert sharded.generate(prompts, 6, **kw) == plain.generate(prompts, 6, **kw)
+
+
+def test_a_converted_checkpoint_restores_straight_onto_its_shards(tmp_path):
+    from checkpoints import convert
+
+    write_tiny_checkpoint(SHARDABLE_TINY, tmp_path / "src", seed=6, quantized=True)
+    assert convert.main([str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
+    placement = sh.Placement(sh.make_mesh(sh.Deployment.TP_EP, (2, 2)), sh.Deployment.TP_EP)
+    sharded = dsv4.load_pretrained(tmp_path / "dst", placement=placement)
+    plain = dsv4.load_pretrained(tmp_path / "dst")
+    w1 = sharded.params["layers"][2]["ffn"]["experts"]["w1"]["weight"][...]
+    assert w1.sharding.spec == PartitionSpec("expert", None, None)
+    assert w1.addressable_shards[0].data.shape[0] == SHARDABLE_TINY.n_routed_experts // 2
+    for a, b in zip(jax.tree_util.tree_leaves(sharded.params), jax.tree_util.tree_leaves(plain.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
