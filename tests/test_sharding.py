@@ -140,3 +140,43 @@ def test_a_converted_checkpoint_restores_straight_onto_its_shards(tmp_path):
     assert w1.addressable_shards[0].data.shape[0] == SHARDABLE_TINY.n_routed_experts // 2
     for a, b in zip(jax.tree_util.tree_leaves(sharded.params), jax.tree_util.tree_leaves(plain.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("deployment, sizes", [(sh.Deployment.TP, (2,)), (sh.Deployment.TP, (4,)),
+                                               (sh.Deployment.TP_EP, (2, 2))])
+def test_flash_width_sharded_step_moves_activations_not_weights(deployment, sizes):
+    """Compile (not run) a 4-layer FLASH-width decode step on CPU devices and read its
+    collectives: all-reduces of activations where the math sums over a split dimension (the
+    output projections, the MoE, the indexer's head sum) and small index gathers; no weight
+    is ever gathered."""
+    import re
+
+    from bench.step_bench import bench_config
+    from dsv4.batch import pack_batch
+    from dsv4.model import Transformer
+    from dsv4.state import init_state
+    from dsv4.step import make_step
+
+    cfg = bench_config(FLASH, 4)
+    graphdef, params = nnx.split(nnx.eval_shape(
+        lambda: Transformer(storage_config(cfg, True), param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+    geometry = StateGeometry(num_slots=8, num_pages=8 * 33, page_tokens=128, max_pages_per_seq=33,
+                             dtype=jnp.bfloat16)
+    placement = sh.Placement(sh.make_mesh(deployment, sizes), deployment)
+    state = jax.eval_shape(lambda: init_state(cfg, geometry))
+    state_sh = placement.state_shardings(state)
+    step = jax.jit(make_step(graphdef, geometry, ops_for("reference"), return_logits=False),
+                   in_shardings=(placement.param_shardings(params), state_sh, placement.replicated()),
+                   out_shardings=(state_sh, placement.replicated()))
+    hlo = step.lower(params, state, pack_batch([], Bucket(8, 8, 8), geometry)).compile().as_text()
+    collectives = re.findall(r"= (\w+)\[([\d,]*)\]\S* (all-reduce|all-gather|reduce-scatter|all-to-all|"
+                             r"collective-permute)(?:-start)?\(", hlo)
+    assert collectives, "a sharded step without collectives cannot be right"
+    for dtype, dims, op in collectives:
+        elements = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+        # Largest legitimate ones: the indexer's [T, candidates] head sum, and under expert
+        # parallelism the routed rows [T*K, D] (the reference MoE reduces before summing
+        # over K; a fused MoE kernel would reduce [T, D]).
+        activation = 8 * cfg.num_experts_per_tok * cfg.hidden_size
+        assert elements <= 8 * 33 * 32 or (op == "all-reduce" and elements <= activation), \
+            f"{op} of {dtype}[{dims}]: a weight or a whole state table moves between devices"
