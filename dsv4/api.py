@@ -124,7 +124,8 @@ class Model:
                                    token_sizes=sizes + [max_num_seqs, max_num_batched_tokens])
             runner = StepRunner(self._graphdef, self._state, cfg, geometry, buckets, ops_for(self.backend),
                                 placement=self.placement)
-            self._generators = {key: Generator(runner, max_num_batched_tokens)}  # one state at a time
+            shards = self.placement.mesh_shape.get("data", 1) if self.placement is not None else 1
+            self._generators = {key: Generator(runner, max_num_batched_tokens, shards)}  # one state at a time
         return self._generators[key]
 
     def validate_ids(self, token_ids: Any) -> np.ndarray:

@@ -47,8 +47,13 @@ class _Request:
 class Generator:
     """Generates for many prompts at once over a runner whose state it owns while it runs."""
 
-    def __init__(self, runner: StepRunner, max_num_batched_tokens: int):
+    def __init__(self, runner: StepRunner, max_num_batched_tokens: int, data_shards: int = 1):
+        """data_shards: size of the mesh's `data` axis (slots and pages are split evenly over it)."""
         self.runner = runner
+        self.data_shards = data_shards
+        if runner.geometry.num_slots % data_shards or runner.geometry.num_pages % data_shards:
+            raise ValueError(f"{runner.geometry.num_slots} slots and {runner.geometry.num_pages} pages must split "
+                             f"evenly over {data_shards} data shards")
         self.config: ModelConfig = runner.config
         self.geometry = runner.geometry
         self.budget = max_num_batched_tokens
@@ -66,21 +71,32 @@ class Generator:
             if len(p) + max_new_tokens > geo.max_seq_len:
                 raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} exceed the "
                                  f"maximum sequence length {geo.max_seq_len}")
-        if max(pages_per_req) > geo.num_pages:
-            raise ValueError(f"a request needs {max(pages_per_req)} pages, the state has {geo.num_pages}")
+        if max(pages_per_req) > geo.num_pages // self.data_shards:
+            raise ValueError(f"a request needs {max(pages_per_req)} pages, a data shard has "
+                             f"{geo.num_pages // self.data_shards}")
         requests = [_Request(i, list(p), max_new_tokens, seeds[i]) for i, p in enumerate(prompts)]
         waiting = list(requests)
         running: list[_Request] = []
+        # Under data parallelism a slot's rings and its pages live on one data shard: slot s
+        # and page p belong to shard s * n // slots and p * n // pages, so a request takes
+        # pages from its own slot's shard and never reads across devices.
+        n = self.data_shards
         free_slots = list(range(geo.num_slots))
-        free_pages = list(range(geo.num_pages))
+        free_pages = [[p for p in range(geo.num_pages) if p * n // geo.num_pages == d] for d in range(n)]
         stops = set(int(t) for t in stop_token_ids)
         finished = 0
         while waiting or running:
             # Admit while a slot and the pages are free (FIFO).
-            while waiting and free_slots and len(free_pages) >= pages_per_req[waiting[0].index]:
+            while waiting:
+                need = pages_per_req[waiting[0].index]
+                slot = next((s for s in free_slots if len(free_pages[s * n // geo.num_slots]) >= need), None)
+                if slot is None:
+                    break
                 req = waiting.pop(0)
-                req.slot = free_slots.pop(0)
-                req.pages = [free_pages.pop(0) for _ in range(pages_per_req[req.index])]
+                req.slot = slot
+                free_slots.remove(slot)
+                pool = free_pages[slot * n // geo.num_slots]
+                req.pages = [pool.pop(0) for _ in range(need)]
                 running.append(req)
             chunks, owners = self._plan(running, temperature)
             out = self.runner.run(chunks)
@@ -97,7 +113,7 @@ class Generator:
             for req in [r for r in running if r.finished]:
                 running.remove(req)
                 free_slots.append(req.slot)
-                free_pages.extend(req.pages)
+                free_pages[req.slot * n // geo.num_slots].extend(req.pages)
                 finished += 1
                 if progress is not None:
                     progress(finished, len(prompts))

@@ -115,14 +115,15 @@ def test_mesh_errors():
         sh.make_mesh(sh.Deployment.TP, (len(jax.devices()) + 1,))
 
 
-def test_load_pretrained_with_a_placement_generates_like_one_device(tmp_path):
+@pytest.mark.parametrize("deployment, sizes", [(sh.Deployment.TP, (4,)), (sh.Deployment.DP_TP, (2, 2))])
+def test_load_pretrained_with_a_placement_generates_like_one_device(tmp_path, deployment, sizes):
     write_tiny_checkpoint(SHARDABLE_TINY, tmp_path, seed=5)
     plain = dsv4.load_pretrained(tmp_path, dtype="float32")
-    placement = sh.Placement(sh.make_mesh(sh.Deployment.TP, (4,)), sh.Deployment.TP)
+    placement = sh.Placement(sh.make_mesh(deployment, sizes), deployment)
     sharded = dsv4.load_pretrained(tmp_path, dtype="float32", placement=placement)
     w = sharded.params["layers"][1]["attn"]["wo_a"]["weight"][...]
     assert w.sharding.spec == PartitionSpec("tensor", None) and len(w.sharding.device_set) == 4
-    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8], [5] * 20]
     kw = dict(max_num_seqs=2, max_num_batched_tokens=16)
     assert sharded.generate(prompts, 6, **kw) == plain.generate(prompts, 6, **kw)
 
