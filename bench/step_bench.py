@@ -4,9 +4,47 @@
         [--prefill 8192,65536] [--context 4096] [--steps 20] [--warmup 3]
         [--kv-format dense|fp8] [--index-format dense|fp4|fp8] [--quantized | --dense]
         [--dtype bfloat16|float32] [--hbm-tbps 4.8] [--json PATH] [--seed 0]
-        [--compilation-cache DIR] [--no-check-finite]
+        [--compilation-cache DIR] [--no-check-finite] [--deployment tp|tp_ep|dp_tp --mesh SIZES]
 
 `--decode none` or `--prefill none` skips that kind of case.
+
+Sharded (`--deployment` with `--mesh`, sizes in the deployment's `MESH_AXES` order: tp
+`tensor`; tp_ep `tensor x expert`; dp_tp `data x tensor`; e.g. `2`, `4`, `2x2`): the step
+runs on a mesh of the first prod(sizes) devices with `dsv4.sharding`'s rules table. The
+jitted random init writes every parameter straight onto its shards (`out_shardings` =
+the placement's parameter shardings), so no device ever holds the whole model, and
+`StepRunner(..., placement=)` allocates the state sharded and keeps batch and outputs
+replicated. Without `--deployment` the step runs on one device. Every JSON case, the
+meta block and the BENCHMARKS.md row record the deployment and mesh; the row's command
+repeats it. On the 2- and 4-GPU machines (each command fits a 10-minute limit: FLASH-width
+compiles take 30-95 s each, so two decode cases a command):
+
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONPATH=. python3 -m bench.step_bench --decode 1,8 \
+        --prefill none --steps 10 --no-check-finite --deployment tp --mesh 2   # then --decode 32,64
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONPATH=. python3 -m bench.step_bench --decode 1,8 \
+        --prefill none --steps 10 --no-check-finite --deployment tp --mesh 4   # then --decode 32,64
+    ... --deployment tp_ep --mesh 2x2 (4 GPUs)                                # TP x EP
+
+and the same without `--deployment` for the one-GPU figure on the same machine. On CPU,
+`JAX_NUM_CPU_DEVICES=2` gives the process two devices (smoke runs with `--config tiny`).
+
+Collective share (sharded cases only; 0 on one device): an ESTIMATE, not a profile. After
+timing a case, the compiled step's text (`runner._compiled[bucket].as_text()`) is read for
+every all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute (sync and
+async `-start` forms; a tuple all-reduce is one op over several arrays), with its result
+arrays' dtypes and shapes and its replica-group size (list, iota or mesh form of
+`replica_groups`; all devices when absent) or a permute's source -> target pairs. A
+collective in a while body counts its loop's `known_trip_count` times (once when XLA did
+not record it; the JSON note says how many). Each distinct collective is then timed alone:
+a jitted `shard_map` over the same devices laid out as [n / group, group] that runs the
+matching `psum` / `all_gather` / `psum_scatter` / `all_to_all` (or `ppermute` with the
+step's own pairs) on arrays of the same dtype and shape 10 times in a `fori_loop` (the
+median of 5 calls / 10). Groups of consecutive devices stand in for the step's groups (on
+one NVSwitch host the bandwidth is the same), an all-to-all or a gather on an undividable
+dim is timed on the same bytes as one flat axis. collective_ms_estimate = sum of time x
+count; collective_share = estimate / median step ms. Overlap with compute is not counted
+(XLA may hide part of it) and the standalone loop has no launch gaps, so read the share as
+what the step would save were its collectives free, roughly.
 
 What runs: the one step function (`dsv4.step.StepRunner`, reference backend) of a model
 with the config's real widths but only `--layers` tower layers and random weights, built
@@ -80,6 +118,7 @@ import enum
 import gc
 import json
 import math
+import re
 import sys
 import time
 from typing import Sequence
@@ -88,11 +127,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dsv4.batch import Bucket, Chunk, pack_batch
 from dsv4.config import FLASH, TINY, AttentionKind, ModelConfig, RoutingKind, WeightFormat
 from dsv4.model import Transformer, storage_config
 from dsv4.ops.registry import Backend, ops_for
+from dsv4.sharding import MESH_AXES, Deployment, Placement, make_mesh
 from dsv4.state import DecodeState, EntryTable, IndexKeyFormat, KVFormat, StateGeometry, default_page_tokens, \
     init_state, tree_bytes
 from dsv4.step import StepRunner, enable_compilation_cache, make_step
@@ -148,6 +189,18 @@ class Settings:
     seed: int
     compilation_cache: str | None
     check_finite: bool
+    deployment: Deployment | None = None  # None: one device
+    mesh: tuple[int, ...] = ()  # axis sizes in MESH_AXES[deployment] order
+
+    @property
+    def mesh_text(self) -> str:
+        return "x".join(map(str, self.mesh))
+
+    @property
+    def mesh_axes(self) -> dict[str, int]:
+        if self.deployment is None:
+            return {}
+        return {a.value: n for a, n in zip(MESH_AXES[self.deployment], self.mesh)}
 
     @property
     def cases(self) -> list[Case]:
@@ -177,8 +230,10 @@ def bench_config(base: ModelConfig, layers: int) -> ModelConfig:
                         num_draft_stages=0, dspark_block_size=0, dspark_target_layer_ids=())
 
 
-def build_params(cfg: ModelConfig, dtype, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
-    """Random parameters made on the device by one jitted init: the weights never visit the host."""
+def build_params(cfg: ModelConfig, dtype, seed: int,
+                 placement: Placement | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """Random parameters made on the device by one jitted init: the weights never visit the host.
+    With a placement the init's outputs are the parameters' shards: no device holds the whole model."""
 
     def make() -> Transformer:
         return Transformer(cfg, param_dtype=dtype, rngs=nnx.Rngs(seed))
@@ -194,8 +249,10 @@ def build_params(cfg: ModelConfig, dtype, seed: int) -> tuple[nnx.GraphDef, nnx.
             flat.append((path, var))
         return nnx.from_flat_state(flat)
 
-    graphdef, _ = nnx.split(nnx.eval_shape(make))
-    return graphdef, jax.jit(init)()
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    if placement is None:
+        return graphdef, jax.jit(init)()
+    return graphdef, jax.jit(init, out_shardings=placement.param_shardings(abstract))()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,6 +344,253 @@ def step_flops(cfg: ModelConfig, weights: WeightSummary, positions: np.ndarray, 
     return flops
 
 
+# ---- collectives -------------------------------------------------------------------------------
+
+COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVE_NOTE = ("estimate: each collective of the compiled step timed alone on the same devices, times how "
+                   "often the step runs it; no overlap with compute counted, so it is an upper-bound-like share")
+_HLO_DTYPES = {"pred": np.uint8, "s8": np.int8, "u8": np.uint8, "s16": np.int16, "u16": np.uint16,
+               "s32": np.int32, "u32": np.uint32, "s64": np.int64, "u64": np.uint64, "f16": np.float16,
+               "bf16": jnp.bfloat16, "f32": np.float32, "f64": np.float64, "f8e4m3fn": jnp.float8_e4m3fn,
+               "f8e5m2": jnp.float8_e5m2}
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\(.*?\)|\S+)\s+(" + "|".join(COLLECTIVE_OPS)
+                    + r")(-start)?\((.*)$")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One distinct collective of a compiled program: op, result arrays, devices per group."""
+
+    op: str  # all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute
+    arrays: tuple[tuple[str, tuple[int, ...]], ...]  # (HLO dtype, dims) of each result
+    group: int  # devices in each replica group
+    dimension: int | None = None  # gathered / scattered / exchanged dim
+    pairs: tuple[tuple[int, int], ...] = ()  # collective-permute source -> target
+
+    @property
+    def bytes(self) -> int:
+        return sum(math.prod(d) * np.dtype(_HLO_DTYPES.get(t, np.uint8)).itemsize for t, d in self.arrays)
+
+    def describe(self) -> str:
+        arrays = ", ".join(f"{t}[{','.join(map(str, d))}]" for t, d in self.arrays)
+        where = f"pairs {list(self.pairs)}" if self.op == "collective-permute" else f"groups of {self.group}"
+        return f"{self.op} {arrays} ({where})"
+
+
+def _group_size(attrs: str, n_devices: int) -> int:
+    """Devices per replica group from an HLO attribute string (list, iota or mesh form); all if absent."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if m:
+        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+        names = re.findall(r"'([^']+)'", m.group(2))
+        if names and all(n in sizes for n in names):
+            return math.prod(sizes[n] for n in names)
+        return n_devices
+    m = re.search(r"replica_groups=\{\{([\d,\s]*)\}", attrs)
+    if m:
+        return len([x for x in m.group(1).split(",") if x.strip()])
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=", attrs)
+    if m:
+        return int(m.group(1).split(",")[-1])
+    return n_devices
+
+
+def _computation_multipliers(hlo: str) -> tuple[dict[str, int], set[str]]:
+    """How many times one run of the program runs each computation (while bodies times their
+    known trip count), and the computations under a loop whose trip count XLA did not record."""
+    calls: dict[str, list[tuple[str, int, bool]]] = collections.defaultdict(list)
+    entry, comp = None, None
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            m = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)", line)
+            comp = m.group(2) if m else None
+            if m and m.group(1):
+                entry = comp
+            continue
+        if comp is None or "=" not in line:
+            continue
+        body = re.search(r"\bbody=%?([\w.\-]+)", line)
+        if body:
+            trips = re.search(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)', line)
+            calls[comp].append((body.group(1), int(trips.group(1)) if trips else 1, trips is None))
+        for attr in re.finditer(r"\b(?:calls|to_apply|condition|true_computation|false_computation)=%?([\w.\-]+)",
+                                line):
+            calls[comp].append((attr.group(1), 1, False))
+        for group in re.finditer(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}", line):
+            for name in re.findall(r"%?([\w.\-]+)", group.group(1)):
+                calls[comp].append((name, 1, False))
+    mult: dict[str, int] = collections.Counter()
+    unknown: set[str] = set()
+    if entry is None:
+        return mult, unknown
+
+    def visit(name: str, times: int, in_unknown_loop: bool, depth: int) -> None:
+        if depth > 64:
+            return
+        mult[name] += times
+        if in_unknown_loop:
+            unknown.add(name)
+        for callee, k, unknown_trips in calls.get(name, ()):
+            visit(callee, times * k, in_unknown_loop or unknown_trips, depth + 1)
+
+    visit(entry, 1, False, 0)
+    return mult, unknown
+
+
+def parse_collectives(hlo: str, n_devices: int) -> tuple[collections.Counter, int]:
+    """Distinct collectives of a compiled program's text -> times one run performs each, and how
+    many of those sit in a loop of unknown trip count (counted once per iteration-less pass).
+
+    Handles `-start` async forms (all-gather-start / collective-permute-start list operands, then
+    results, then u32 contexts: the results are kept) and tuple all-reduces (one op, several arrays).
+    """
+    mult, unknown_comps = _computation_multipliers(hlo)
+    found: collections.Counter = collections.Counter()
+    in_unknown = 0
+    comp = None
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            m = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)", line)
+            comp = m.group(2) if m else None
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        shape_text, op, start, attrs = m.groups()
+        arrays = [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _ARRAY.findall(shape_text)]
+        if start and op in ("all-gather", "collective-permute"):
+            arrays = [a for a in arrays if not (a[0] in ("u32", "s32") and a[1] == ())]
+            arrays = arrays[len(arrays) // 2:]
+        if not arrays:
+            continue
+        dim = re.search(r"\bdimensions=\{(\d+)", attrs)
+        pairs = ()
+        if op == "collective-permute":
+            seg = re.search(r"source_target_pairs=\{(.*?\})\}", attrs)
+            pairs = tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", seg.group(1) if seg else ""))
+        c = Collective(op=op, arrays=tuple(arrays), group=n_devices if pairs else _group_size(attrs, n_devices),
+                       dimension=int(dim.group(1)) if dim else None, pairs=pairs)
+        times = max(1, mult.get(comp, 1)) if comp is not None else 1
+        found[c] += times
+        if comp in unknown_comps:
+            in_unknown += times
+    return found, in_unknown
+
+
+def _shard_map(f, mesh, in_specs, out_specs):
+    """jax.shard_map without replication checks (jax >= 0.7), else the experimental one."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map  # pragma: no cover - older jax
+    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def _standalone_collective(c: Collective, devices: Sequence, reps: int):
+    """A jitted program running collective `c` `reps` times in a loop on `devices`, and its input.
+
+    The devices are laid out as [n / group, group] and the collective runs over the second axis
+    (groups of consecutive devices, which on one NVSwitch host costs as the step's groups do);
+    a collective-permute runs the step's own source -> target pairs over all devices. Each
+    iteration feeds the last result back (a slice / in-place update where the shape changes)."""
+    n = len(devices)
+    if c.op == "collective-permute":
+        mesh = Mesh(np.asarray(devices).reshape(n), ("c",))
+        spec = PartitionSpec("c")
+    else:
+        g = c.group if c.group >= 1 and n % c.group == 0 else n
+        mesh = Mesh(np.asarray(devices).reshape(n // g, g), ("rest", "c"))
+        spec = PartitionSpec(("rest", "c"))
+    g = mesh.shape["c"]
+    dtypes = [_HLO_DTYPES[t] for t, _ in c.arrays]
+    flat = c.op == "all-to-all" or (c.op in ("all-gather", "reduce-scatter") and (
+        c.dimension is None or any(c.dimension >= len(d) or (c.op == "all-gather" and d[c.dimension] % g)
+                                   for _, d in c.arrays)))
+    if flat:  # same bytes, exchanged along one flat axis
+        local = [(-(-max(1, math.prod(d)) // g) * g,) for _, d in c.arrays]
+        dim = 0
+    else:
+        local = [d for _, d in c.arrays]
+        dim = c.dimension
+    if c.op == "all-gather":
+        inputs = [tuple(s // g if i == dim else s for i, s in enumerate(d)) for d in local]
+    elif c.op == "reduce-scatter":
+        inputs = [tuple(s * g if i == dim else s for i, s in enumerate(d)) for d in local]
+    else:
+        inputs = local
+
+    def once(xs):
+        if c.op == "all-reduce":
+            return tuple(jax.lax.psum(xs, "c"))
+        if c.op == "all-gather":
+            ys = [jax.lax.all_gather(x, "c", axis=dim + 1, tiled=True) for x in xs]
+            return tuple(jax.lax.slice_in_dim(y, 0, x.shape[dim + 1], axis=dim + 1) for x, y in zip(xs, ys))
+        if c.op == "reduce-scatter":
+            ys = [jax.lax.psum_scatter(x, "c", scatter_dimension=dim + 1, tiled=True) for x in xs]
+            return tuple(jax.lax.dynamic_update_slice_in_dim(x, y, 0, axis=dim + 1) for x, y in zip(xs, ys))
+        if c.op == "all-to-all":
+            return tuple(jax.lax.all_to_all(x, "c", 1, 1, tiled=True) for x in xs)
+        return tuple(jax.lax.ppermute(x, "c", perm=list(c.pairs)) for x in xs)
+
+    def loop(*xs):
+        return jax.lax.fori_loop(0, reps, lambda i, carry: once(carry), tuple(xs))
+
+    specs = tuple(spec for _ in inputs)
+    program = jax.jit(_shard_map(loop, mesh, specs, specs))
+    sharding = NamedSharding(mesh, spec)
+    make = jax.jit(lambda: tuple(
+        jax.random.uniform(jax.random.key(i), (n,) + s, jnp.float32).astype(t) if jnp.issubdtype(t, jnp.floating)
+        else (jnp.arange(n * max(1, math.prod(s))) % 7).astype(t).reshape((n,) + s)
+        for i, (s, t) in enumerate(zip(inputs, dtypes))), out_shardings=tuple(sharding for _ in inputs))
+    return program, make()
+
+
+def time_collective(c: Collective, devices: Sequence, reps: int = 10, trials: int = 5) -> float:
+    """Median ms of one run of collective `c` alone (a loop of `reps`, timed `trials` times)."""
+    program, args = _standalone_collective(c, devices, reps)
+    jax.block_until_ready(program(*args))
+    times = []
+    for _ in range(trials):
+        t = time.perf_counter()
+        jax.block_until_ready(program(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)) / reps * 1e3
+
+
+def collective_figures(hlo: str | None, devices: Sequence, step_ms: float, cache: dict, log, name: str) -> dict:
+    """The collective estimate of one case (module docstring); zero on one device."""
+    if hlo is None or len(devices) < 2:
+        return dict(collective_count=0, collective_ms_estimate=0.0, collective_share=0.0, collectives=[],
+                    collective_note="one device: no collectives")
+    found, in_unknown = parse_collectives(hlo, len(devices))
+    log(f"{name}: {sum(found.values())} collectives ({len(found)} distinct) in the compiled step; "
+        f"timing each alone ...")
+    rows, total, untimed = [], 0.0, 0
+    for c, count in sorted(found.items(), key=lambda kv: -kv[0].bytes * kv[1]):
+        if c not in cache:
+            try:
+                cache[c] = time_collective(c, devices)
+            except Exception as e:  # noqa: BLE001 - one untimed collective does not sink the case
+                log(f"{name}: could not time {c.describe()}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                cache[c] = None
+        ms = cache[c]
+        if ms is None:
+            untimed += count
+        else:
+            total += ms * count
+        rows.append(dict(collective=c.describe(), op=c.op, arrays=[f"{t}[{','.join(map(str, d))}]" for t, d in c.arrays],
+                         group=c.group, bytes=c.bytes, count=count, ms_each=ms,
+                         ms_total=None if ms is None else ms * count))
+    note = COLLECTIVE_NOTE
+    if in_unknown:
+        note += f"; {in_unknown} sit in loops of unknown trip count (counted once per pass)"
+    if untimed:
+        note += f"; {untimed} could not be timed (left out)"
+    return dict(collective_count=int(sum(found.values())), collective_ms_estimate=total,
+                collective_share=total / step_ms if step_ms > 0 else float("nan"), collectives=rows,
+                collective_note=note)
+
+
 # ---- one case ----------------------------------------------------------------------------------
 
 
@@ -328,8 +632,9 @@ def logits_finite(runner: StepRunner, graphdef: nnx.GraphDef, batch) -> bool:
 
 
 def time_case(case: Case, cfg: ModelConfig, graphdef: nnx.GraphDef, params: nnx.State, s: Settings,
-              check_finite: bool, log) -> dict:
-    """Compile, warm up and time one case; returns the raw timings and state size."""
+              check_finite: bool, log, placement: Placement | None = None) -> dict:
+    """Compile, warm up and time one case; returns the raw timings, state size and (sharded) the
+    compiled program's text."""
     geometry = geometry_for(cfg, case, s)
     state_shapes = jax.eval_shape(lambda: init_state(cfg, geometry))
     rng = np.random.default_rng(s.seed)
@@ -338,7 +643,8 @@ def time_case(case: Case, cfg: ModelConfig, graphdef: nnx.GraphDef, params: nnx.
               else rng.integers(0, cfg.vocab_size, case.size))
     log(f"{case.name}: state {tree_bytes(state_shapes) / 2**20:.1f} MiB ({geometry.num_pages} pages of "
         f"{geometry.page_tokens}); compiling bucket {case.bucket} ...")
-    runner = StepRunner(graphdef, params, cfg, geometry, [case.bucket], ops_for(Backend.REFERENCE))
+    runner = StepRunner(graphdef, params, cfg, geometry, [case.bucket], ops_for(Backend.REFERENCE),
+                        placement=placement)
     t0 = time.perf_counter()
     runner.warmup()
     compile_s = time.perf_counter() - t0
@@ -356,7 +662,9 @@ def time_case(case: Case, cfg: ModelConfig, graphdef: nnx.GraphDef, params: nnx.
         last = chunks_for(case, s.warmup + s.steps, s, geometry, tokens)
         finite = logits_finite(runner, graphdef, pack_batch(last, case.bucket, geometry))
         log(f"{case.name}: logits finite: {finite}")
-    return dict(state_shapes=state_shapes, compile_s=compile_s, times=np.array(times), logits_finite=finite)
+    hlo = runner._compiled[case.bucket].as_text() if placement is not None else None
+    return dict(state_shapes=state_shapes, compile_s=compile_s, times=np.array(times), logits_finite=finite,
+                hlo=hlo)
 
 
 def case_figures(case: Case, cfg: ModelConfig, weights: WeightSummary, s: Settings, timing: dict) -> dict:
@@ -372,6 +680,7 @@ def case_figures(case: Case, cfg: ModelConfig, weights: WeightSummary, s: Settin
     return dict(
         case=case.name, kind=case.kind.value, tokens_per_step=case.size, requests=case.requests,
         context=s.context if case.kind is CaseKind.DECODE else 0, status="ok",
+        deployment=s.deployment.value if s.deployment else None, mesh=s.mesh_axes, devices=max(1, math.prod(s.mesh)),
         compile_s=round(timing["compile_s"], 2), ms_median=median, ms_p90=float(np.percentile(ms, 90)),
         ms_min=float(np.min(ms)), tokens_per_s=case.size / (median * 1e-3),
         weight_bytes=w_bytes, weight_bytes_all_experts=weights.total_bytes, state_bytes=st_bytes,
@@ -385,15 +694,24 @@ def _is_oom(e: BaseException) -> bool:
 
 
 def run_case(case: Case, cfg: ModelConfig, graphdef, params, weights: WeightSummary, s: Settings,
-             check_finite: bool, log) -> dict:
+             check_finite: bool, log, placement: Placement | None = None,
+             collective_cache: dict | None = None) -> dict:
     """One case's figures, or its OOM / error status (the next case still runs)."""
     try:
-        return case_figures(case, cfg, weights, s, time_case(case, cfg, graphdef, params, s, check_finite, log))
+        timing = time_case(case, cfg, graphdef, params, s, check_finite, log, placement)
+        result = case_figures(case, cfg, weights, s, timing)
+        devices = list(placement.mesh.devices.flat) if placement is not None else jax.devices()[:1]
+        result.update(collective_figures(timing["hlo"], devices, result["ms_median"],
+                                         {} if collective_cache is None else collective_cache, log, case.name))
+        if placement is not None:
+            log(f"{case.name}: collectives ~{result['collective_ms_estimate']:.4g} ms of "
+                f"{result['ms_median']:.4g} ms ({result['collective_share']:.1%}; {COLLECTIVE_NOTE})")
+        return result
     except Exception as e:  # noqa: BLE001 - reported per case, the run goes on
         status = "OOM" if _is_oom(e) else f"error: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
         log(f"{case.name}: {status}")
         return dict(case=case.name, kind=case.kind.value, tokens_per_step=case.size, requests=case.requests,
-                    status=status)
+                    deployment=s.deployment.value if s.deployment else None, mesh=s.mesh_axes, status=status)
     finally:
         gc.collect()  # drop the case's runner and state before the next one allocates
 
@@ -416,6 +734,8 @@ def case_command(case: Case, s: Settings) -> str:
             parts.append(f"{flag} {value}")
     if not s.quantized:
         parts.append("--dense")
+    if s.deployment is not None:
+        parts += [f"--deployment {s.deployment.value}", f"--mesh {s.mesh_text}"]
     return " ".join(parts)
 
 
@@ -426,6 +746,8 @@ def markdown_row(result: dict, meta: dict, case: Case, s: Settings) -> str:
             f"{weights}, KV {s.kv_format.value}, index {s.index_format.value}: ")
     what += (f"decode C{case.size} at context {s.context} (synthetic state)" if case.kind is CaseKind.DECODE
              else f"prefill chunk {case.size}")
+    if s.deployment is not None:
+        what += f", sharded {s.deployment.value.upper()} on mesh " + " x ".join(f"{a}={n}" for a, n in s.mesh_axes.items())
     if result["status"] != "ok":
         figure, ratio = result["status"], "-"
     else:
@@ -433,7 +755,13 @@ def markdown_row(result: dict, meta: dict, case: Case, s: Settings) -> str:
                   f"{result['tokens_per_s']:.4g} tok/s, {result['tflops']:.3g} TFLOP/s")
         ratio = (f"{result['roofline_ratio']:.3g} of HBM roofline ({result['roofline_ms']:.4g} ms = "
                  f"{(result['weight_bytes'] + result['state_bytes']) / 1e9:.4g} GB / {s.hbm_tbps} TB/s)")
+        if s.deployment is not None:
+            figure += (f"; collectives ~{result['collective_ms_estimate']:.3g} ms = "
+                       f"{result['collective_share']:.1%} of the step ({result['collective_count']} per step, "
+                       f"timed alone, no overlap counted)")
     device = f"{meta['device']} (jax {meta['jax_version']})"
+    if meta["devices"] > 1:
+        device = f"{meta['devices']}x {device}"
     return f"| {meta['date']} | {device} | `{case_command(case, s)}` | {what} | {figure} | {ratio} |"
 
 
@@ -446,6 +774,16 @@ def _sizes(text: str) -> tuple[int, ...]:
     sizes = tuple(int(x) for x in text.split(","))
     if any(n < 1 for n in sizes):
         raise argparse.ArgumentTypeError(f"sizes must be >= 1, got {text!r}")
+    return sizes
+
+
+def _mesh(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mesh takes sizes like 2, 4 or 2x2, got {text!r}") from None
+    if not sizes or any(n < 1 for n in sizes):
+        raise argparse.ArgumentTypeError(f"mesh sizes must be >= 1, got {text!r}")
     return sizes
 
 
@@ -471,7 +809,18 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--compilation-cache", default=None, help="persistent JAX compilation cache directory")
     p.add_argument("--check-finite", action=argparse.BooleanOptionalAction, default=True,
                    help="compile one extra logits program for the first case and check its logits are finite")
+    p.add_argument("--deployment", choices=[d.value for d in Deployment], default=None,
+                   help="run the step sharded with this rules table (default: one device)")
+    p.add_argument("--mesh", type=_mesh, default=None,
+                   help="mesh axis sizes in the deployment's axis order, e.g. 2, 4 or 2x2 "
+                        "(tp: tensor; tp_ep: tensor x expert; dp_tp: data x tensor)")
     a = p.parse_args(argv)
+    deployment = Deployment(a.deployment) if a.deployment else None
+    if (deployment is None) != (a.mesh is None):
+        p.error("--deployment and --mesh go together")
+    if deployment is not None and len(a.mesh) != len(MESH_AXES[deployment]):
+        p.error(f"--deployment {deployment.value} needs {len(MESH_AXES[deployment])} mesh sizes "
+                f"({'x'.join(x.value for x in MESH_AXES[deployment])}), got {a.mesh}")
     if a.steps < 1 or a.warmup < 0 or a.context < 0:
         p.error("--steps must be >= 1, --warmup and --context >= 0")
     if not a.decode and not a.prefill:
@@ -480,7 +829,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
                     steps=a.steps, warmup=a.warmup, kv_format=KVFormat(a.kv_format),
                     index_format=IndexKeyFormat(a.index_format), quantized=a.quantized, dtype_name=a.dtype,
                     hbm_tbps=a.hbm_tbps, json_path=a.json_path, seed=a.seed,
-                    compilation_cache=a.compilation_cache, check_finite=a.check_finite)
+                    compilation_cache=a.compilation_cache, check_finite=a.check_finite, deployment=deployment,
+                    mesh=a.mesh or ())
 
 
 def _log(msg: str) -> None:
@@ -493,6 +843,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if s.compilation_cache:
         enable_compilation_cache(s.compilation_cache)
     cfg = storage_config(bench_config(CONFIGS[s.config_name], s.layers), s.quantized)
+    _log(f"jax.devices(): {jax.devices()}")
+    placement = None
+    if s.deployment is not None:
+        placement = Placement(make_mesh(s.deployment, s.mesh), s.deployment)
     meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind,
                 platform=jax.devices()[0].platform, jax_version=jax.__version__, config=s.config_name,
                 layers=s.layers, layer_types=",".join(_KIND_NAMES[k] for k in cfg.layer_types),
@@ -500,20 +854,31 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 dtype=s.dtype_name, kv_format=s.kv_format.value, index_format=s.index_format.value,
                 context=s.context, steps=s.steps, warmup=s.warmup, hbm_tbps=s.hbm_tbps,
                 page_tokens=default_page_tokens(cfg), max_spec_tokens=MAX_SPEC_TOKENS,
-                state="decode state contents synthetic (zero state, start = context + step)")
+                state="decode state contents synthetic (zero state, start = context + step)",
+                deployment=s.deployment.value if s.deployment else None, mesh=s.mesh_axes,
+                devices=max(1, math.prod(s.mesh)), collective_note=COLLECTIVE_NOTE if s.deployment else None)
     _log(f"device {meta['device']}, jax {meta['jax_version']}; {s.config_name} width, layers {meta['layer_types']} "
-         f"(routing {meta['mlp_layer_types']}), {'FP8/FP4' if s.quantized else s.dtype_name} weights")
+         f"(routing {meta['mlp_layer_types']}), {'FP8/FP4' if s.quantized else s.dtype_name} weights; "
+         + (f"sharded {s.deployment.value} on mesh {s.mesh_axes}" if placement else "one device"))
     t0 = time.perf_counter()
-    graphdef, params = build_params(cfg, DTYPES[s.dtype_name], s.seed)
+    graphdef, params = build_params(cfg, DTYPES[s.dtype_name], s.seed, placement)
     jax.block_until_ready(params)
     weights = weight_summary(params, cfg)
     meta["param_bytes"] = weights.total_bytes
+    per_device: collections.Counter = collections.Counter()
+    for x in jax.tree_util.tree_leaves(params):
+        for shard in x.addressable_shards:
+            per_device[str(shard.device)] += shard.data.nbytes
+    meta["param_bytes_per_device_max"] = max(per_device.values())
+    if placement is not None:
+        _log(f"parameters on their shards: at most {meta['param_bytes_per_device_max'] / 1e9:.4g} GB on one device "
+             f"of {weights.total_bytes / 1e9:.4g} GB")
     _log(f"built random parameters on the device in {time.perf_counter() - t0:.1f} s: "
          f"{weights.total_bytes / 1e9:.4g} GB ({weights.fixed_bytes / 1e9:.4g} GB read whole per step, "
          f"{weights.expert_bytes / 1e6:.4g} MB per routed expert)")
-    results, rows, check = [], [], s.check_finite
+    results, rows, check, collective_cache = [], [], s.check_finite, {}
     for case in s.cases:
-        result = run_case(case, cfg, graphdef, params, weights, s, check, _log)
+        result = run_case(case, cfg, graphdef, params, weights, s, check, _log, placement, collective_cache)
         check = check and result["status"] != "ok"  # checked once, on the first case that ran
         results.append(result)
         rows.append(markdown_row(result, meta, case, s))

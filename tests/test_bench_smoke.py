@@ -22,3 +22,54 @@ def test_step_bench_runs_decode_and_prefill_cases_and_writes_its_results(tmp_pat
     decode, prefill = out["cases"][0], out["cases"][2]
     assert decode["state_bytes"] > 0 and prefill["state_bytes"] == 0  # a prefill from position 0 reads no state
     assert decode["logits_finite"] is True  # checked once, on the first case
+
+
+def test_step_bench_runs_the_sharded_step_and_estimates_its_collectives(tmp_path):
+    path = tmp_path / "bench_tp2.json"
+    out = main(["--config", "tiny", "--layers", "3", "--decode", "2", "--prefill", "none", "--context", "40",
+                "--steps", "2", "--warmup", "1", "--deployment", "tp", "--mesh", "2", "--no-check-finite",
+                "--json", str(path)])
+    assert json.loads(path.read_text()) == out
+    assert out["meta"]["deployment"] == "tp" and out["meta"]["mesh"] == {"tensor": 2} and out["meta"]["devices"] == 2
+    assert out["meta"]["param_bytes_per_device_max"] < out["meta"]["param_bytes"]  # built on its shards
+    (c,) = out["cases"]
+    assert c["status"] == "ok", c
+    assert c["deployment"] == "tp" and c["mesh"] == {"tensor": 2}
+    assert 0 < c["ms_median"] <= c["ms_p90"]
+    assert c["collective_count"] > 0 and c["collectives"]
+    assert sum(r["count"] for r in c["collectives"]) == c["collective_count"]
+    assert all(r["ms_each"] is not None and r["ms_each"] > 0 for r in c["collectives"])
+    assert math.isfinite(c["collective_share"]) and c["collective_share"] >= 0
+    assert math.isclose(c["collective_share"], c["collective_ms_estimate"] / c["ms_median"])
+
+
+def test_collective_parser_reads_sync_async_tuple_and_looped_collectives():
+    """GPU-style HLO text: async -start forms, iota / list / mesh replica groups, a tuple all-reduce,
+    a collective in a while body with a known trip count."""
+    from bench.step_bench import parse_collectives
+
+    hlo = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ar = f32[8]{0} all-reduce(%x), channel_id=9, replica_groups=[1,4]<=[4], to_apply=%add
+}
+
+ENTRY %main (a: f32[1,8,4096]) -> f32[1,8,4096] {
+  %all-reduce-start = f32[1,8,4096]{2,1,0} all-reduce-start(%a), channel_id=1, replica_groups={{0,1},{2,3}}, to_apply=%add
+  %all-reduce-done = f32[1,8,4096]{2,1,0} all-reduce-done(%all-reduce-start)
+  %ag = (bf16[4,16]{1,0}, bf16[8,16]{1,0}) all-gather-start(%b), channel_id=2, replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_1'}, dimensions={0}
+  %t = (f32[2,64]{1,0}, f32[6,32]{1,0}) all-reduce(%c, %d), channel_id=3, replica_groups={}, to_apply=%add
+  %cp = (f32[4]{0}, f32[4]{0}, u32[], u32[]) collective-permute-start(%e), channel_id=4, source_target_pairs={{0,1},{1,0}}
+  %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+}
+"""
+    found, unknown = parse_collectives(hlo, 4)
+    got = {(c.op, c.arrays, c.group, c.pairs): n for c, n in found.items()}
+    assert got == {
+        ("all-reduce", (("f32", (1, 8, 4096)),), 2, ()): 1,
+        ("all-gather", (("bf16", (8, 16)),), 2, ()): 1,
+        ("all-reduce", (("f32", (2, 64)), ("f32", (6, 32))), 4, ()): 1,
+        ("collective-permute", (("f32", (4,)),), 4, ((0, 1), (1, 0))): 1,
+        ("all-reduce", (("f32", (8,)),), 4, ()): 5,
+    }
+    assert unknown == 0
