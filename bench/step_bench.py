@@ -348,7 +348,7 @@ def step_flops(cfg: ModelConfig, weights: WeightSummary, positions: np.ndarray, 
 
 COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 COLLECTIVE_NOTE = ("estimate: each collective of the compiled step timed alone on the same devices, times how "
-                   "often the step runs it; no overlap with compute counted, so it is an upper-bound-like share")
+                   "often the step runs it; no overlap with compute counted (XLA may hide part of it)")
 _HLO_DTYPES = {"pred": np.uint8, "s8": np.int8, "u8": np.uint8, "s16": np.int16, "u16": np.uint16,
                "s32": np.int32, "u32": np.uint32, "s64": np.int64, "u64": np.uint64, "f16": np.float16,
                "bf16": jnp.bfloat16, "f32": np.float32, "f64": np.float64, "f8e4m3fn": jnp.float8_e4m3fn,
@@ -705,7 +705,8 @@ def run_case(case: Case, cfg: ModelConfig, graphdef, params, weights: WeightSumm
                                          {} if collective_cache is None else collective_cache, log, case.name))
         if placement is not None:
             log(f"{case.name}: collectives ~{result['collective_ms_estimate']:.4g} ms of "
-                f"{result['ms_median']:.4g} ms ({result['collective_share']:.1%}; {COLLECTIVE_NOTE})")
+                f"{result['ms_median']:.4g} ms ({result['collective_share']:.1%}; an estimate: each timed alone, "
+                f"no overlap counted)")
         return result
     except Exception as e:  # noqa: BLE001 - reported per case, the run goes on
         status = "OOM" if _is_oom(e) else f"error: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
