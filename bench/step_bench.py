@@ -29,7 +29,7 @@ and the same without `--deployment` for the one-GPU figure on the same machine. 
 `JAX_NUM_CPU_DEVICES=2` gives the process two devices (smoke runs with `--config tiny`).
 
 Collective share (sharded cases only; 0 on one device): an ESTIMATE, not a profile. After
-timing a case, the compiled step's text (`runner._compiled[bucket].as_text()`) is read for
+timing a case, the compiled step's text (`runner.program_text(bucket)`) is read for
 every all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute (sync and
 async `-start` forms; a tuple all-reduce is one op over several arrays), with its result
 arrays' dtypes and shapes and its replica-group size (list, iota or mesh form of
@@ -662,7 +662,7 @@ def time_case(case: Case, cfg: ModelConfig, graphdef: nnx.GraphDef, params: nnx.
         last = chunks_for(case, s.warmup + s.steps, s, geometry, tokens)
         finite = logits_finite(runner, graphdef, pack_batch(last, case.bucket, geometry))
         log(f"{case.name}: logits finite: {finite}")
-    hlo = runner._compiled[case.bucket].as_text() if placement is not None else None
+    hlo = runner.program_text(case.bucket) if placement is not None else None
     return dict(state_shapes=state_shapes, compile_s=compile_s, times=np.array(times), logits_finite=finite,
                 hlo=hlo)
 

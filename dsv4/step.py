@@ -165,6 +165,12 @@ class StepRunner:
                 self._compiled[bucket] = self._step.lower(self.params, self.state, example).compile()
         return self._compiled[bucket]
 
+    def program_text(self, bucket: Bucket) -> str:
+        """The compiled step of a warmed-up bucket as HLO text (to inspect its collectives)."""
+        if bucket not in self._compiled:
+            raise KeyError(f"bucket {bucket} has not been compiled")
+        return self._compiled[bucket].as_text()
+
     def bucket_for(self, n_tokens: int, n_requests: int, n_outputs: int, n_taps: int = 0) -> Bucket:
         """The smallest warmed-up bucket (fewest tokens, then requests) that fits."""
         for b in self.buckets:
