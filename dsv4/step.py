@@ -180,7 +180,15 @@ class StepRunner:
                          f"{n_taps} taps; the largest is {self.buckets[-1]}")
 
     def run(self, chunks: Sequence[Chunk]) -> StepOutputs:
-        """Run one step over `chunks` (one per request) in the smallest fitting bucket; host outputs."""
+        """Run one step over `chunks` (one per request) in the smallest fitting bucket; host outputs.
+
+        ValueError for token ids outside the vocabulary or chunks that do not fit (before
+        anything runs, so the state is untouched)."""
+        v = self.config.vocab_size
+        for c in chunks:
+            bad = [t for t in c.tokens if not 0 <= t < v]
+            if bad:
+                raise ValueError(f"slot {c.slot}: token id {bad[0]} is outside the vocabulary [0, {v})")
         bucket = self.bucket_for(sum(len(c.tokens) for c in chunks), len(chunks),
                                  sum(len(c.outputs) for c in chunks), sum(len(c.taps) for c in chunks))
         return self.run_batch(pack_batch(chunks, bucket, self.geometry))

@@ -302,6 +302,8 @@ def test_nothing_compiles_after_warmup_and_an_unwarmed_bucket_is_an_error(tiny_f
     assert compiles == []
     with pytest.raises(RecompilationError):
         runner.run_batch(pack_batch([], Bucket(8, 2, 2), geometry))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        runner.run([Chunk(slot=0, start=0, tokens=[1, TINY.vocab_size], pages=pages_for(0, geometry))])
     with pytest.raises(ValueError, match="no bucket fits"):
         runner.run([Chunk(slot=0, start=0, tokens=list(range(17)), pages=pages_for(0, geometry))])
 
