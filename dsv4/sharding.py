@@ -200,8 +200,12 @@ class Placement:
     """Where a deployment puts the step's inputs on a mesh: params and decode state by the
     rules table, the (small) batch and the outputs replicated."""
 
-    def __init__(self, mesh: Mesh, deployment: Deployment):
+    def __init__(self, mesh: Mesh, deployment: Deployment, *, max_replicated_share: float | None = None):
+        """max_replicated_share: refuse (ValueError from `place_params`) to place parameters when
+        more than this share of their bytes would sit whole on every device; None: no limit
+        (tiny test configs replicate much of themselves)."""
         self.mesh, self.deployment = mesh, deployment
+        self.max_replicated_share = max_replicated_share
         self.rules = RULES[deployment]
         self.mesh_shape = dict(mesh.shape)
 
@@ -221,4 +225,6 @@ class Placement:
 
     def place_params(self, params):
         """Put every parameter onto its shards (each device receives only its own slices)."""
+        if self.max_replicated_share is not None:
+            check_replication(params, param_specs(params, self.rules, self.mesh_shape), self.max_replicated_share)
         return jax.device_put(params, self.param_shardings(params))

@@ -108,6 +108,12 @@ def test_replication_guard_names_what_a_rules_table_forgot(flash_params):
         sh.check_replication(flash_params, specs, max_share=0.05)
 
 
+def test_placement_guard_refuses_a_mostly_replicated_model(model):
+    strict = sh.Placement(sh.make_mesh(sh.Deployment.TP, (2,)), sh.Deployment.TP, max_replicated_share=0.01)
+    with pytest.raises(ValueError, match="replicated on every device"):
+        strict.place_params(model.params)  # the tiny model's compressors and mHC are a large share
+
+
 def test_mesh_errors():
     with pytest.raises(ValueError, match="needs 2 positive"):
         sh.make_mesh(sh.Deployment.TP_EP, (2,))
