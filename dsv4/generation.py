@@ -83,19 +83,23 @@ class Generator:
         n = self.data_shards
         free_slots = list(range(geo.num_slots))
         free_pages = [[p for p in range(geo.num_pages) if p * n // geo.num_pages == d] for d in range(n)]
+
+        def pages_of(slot: int) -> list[int]:
+            return free_pages[slot * n // geo.num_slots]
+
         stops = set(int(t) for t in stop_token_ids)
         finished = 0
         while waiting or running:
             # Admit while a slot and the pages are free (FIFO).
             while waiting:
                 need = pages_per_req[waiting[0].index]
-                slot = next((s for s in free_slots if len(free_pages[s * n // geo.num_slots]) >= need), None)
+                slot = next((s for s in free_slots if len(pages_of(s)) >= need), None)
                 if slot is None:
                     break
                 req = waiting.pop(0)
                 req.slot = slot
                 free_slots.remove(slot)
-                pool = free_pages[slot * n // geo.num_slots]
+                pool = pages_of(slot)
                 req.pages = [pool.pop(0) for _ in range(need)]
                 running.append(req)
             chunks, owners = self._plan(running, temperature)
@@ -113,7 +117,7 @@ class Generator:
             for req in [r for r in running if r.finished]:
                 running.remove(req)
                 free_slots.append(req.slot)
-                free_pages[req.slot * n // geo.num_slots].extend(req.pages)
+                pages_of(req.slot).extend(req.pages)
                 finished += 1
                 if progress is not None:
                     progress(finished, len(prompts))

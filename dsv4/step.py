@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dsv4.batch import Bucket, Chunk, StepBatch, pack_batch
@@ -186,9 +187,10 @@ class StepRunner:
         anything runs, so the state is untouched)."""
         v = self.config.vocab_size
         for c in chunks:
-            bad = [t for t in c.tokens if not 0 <= t < v]
-            if bad:
-                raise ValueError(f"slot {c.slot}: token id {bad[0]} is outside the vocabulary [0, {v})")
+            ids = np.asarray(c.tokens)
+            bad = ids[(ids < 0) | (ids >= v)]
+            if bad.size:
+                raise ValueError(f"slot {c.slot}: token id {int(bad[0])} is outside the vocabulary [0, {v})")
         bucket = self.bucket_for(sum(len(c.tokens) for c in chunks), len(chunks),
                                  sum(len(c.outputs) for c in chunks), sum(len(c.taps) for c in chunks))
         return self.run_batch(pack_batch(chunks, bucket, self.geometry))

@@ -25,11 +25,17 @@ from dsv4.state import EntryTable
 QUERY_TILE = 256
 
 
+def _head_sum(dots_XIS: jax.Array, w_XI: jax.Array) -> jax.Array:
+    """sum_i w_i relu(dot_i) in f32 over any leading axes X."""
+    return jnp.einsum("...is,...i->...s", jax.nn.relu(dots_XIS), w_XI.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
 def _scores(q_TIJ: jax.Array, k_TSJ: jax.Array, w_TI: jax.Array) -> jax.Array:
     """ReLU-weighted head sum [T,S] in f32, each query against its own keys."""
     dots = jnp.einsum("tij,tsj->tis", q_TIJ.astype(jnp.float32), k_TSJ.astype(jnp.float32),
                       precision=jax.lax.Precision.HIGHEST)
-    return jnp.einsum("tis,ti->ts", jax.nn.relu(dots), w_TI.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return _head_sum(dots, w_TI)
 
 
 def _top_visible(scores_TS: jax.Array, limit_T: jax.Array, topk: int) -> jax.Array:
@@ -47,8 +53,7 @@ def indexer_scores(q_BTIJ: jax.Array, k_BSJ: jax.Array, w_BTI: jax.Array) -> jax
     """ReLU-weighted head sum [B,T,S] in f32. Scales are folded into `w` by the caller."""
     dots = jnp.einsum("btij,bsj->btis", q_BTIJ.astype(jnp.float32), k_BSJ.astype(jnp.float32),
                       precision=jax.lax.Precision.HIGHEST)
-    return jnp.einsum("btis,bti->bts", jax.nn.relu(dots), w_BTI.astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)
+    return _head_sum(dots, w_BTI)
 
 
 def indexer_topk(q_BTIJ: jax.Array, k_BSJ: jax.Array, w_BTI: jax.Array, limit_BT: jax.Array,
