@@ -884,14 +884,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
         results.append(result)
         rows.append(markdown_row(result, meta, case, s))
         _log(rows[-1])
+        if s.json_path:  # after every case, so a run cut short by a time limit keeps what it measured
+            with open(s.json_path, "w") as f:
+                json.dump(dict(meta=meta, cases=results), f, indent=2)
     print("\n| date | device | command | what | figure | ratio |\n|---|---|---|---|---|---|", flush=True)
     print("\n".join(rows), flush=True)
-    out = dict(meta=meta, cases=results)
     if s.json_path:
-        with open(s.json_path, "w") as f:
-            json.dump(out, f, indent=2)
         _log(f"wrote {s.json_path}")
-    return out
+    return dict(meta=meta, cases=results)
 
 
 if __name__ == "__main__":
