@@ -133,7 +133,7 @@ from dsv4.batch import Bucket, Chunk, pack_batch
 from dsv4.config import FLASH, TINY, AttentionKind, ModelConfig, RoutingKind, WeightFormat
 from dsv4.model import Transformer, storage_config
 from dsv4.ops.registry import Backend, ops_for
-from dsv4.sharding import MESH_AXES, Deployment, Placement, make_mesh
+from dsv4.sharding import MESH_AXES, Deployment, Placement, make_mesh, shard_map
 from dsv4.state import DecodeState, EntryTable, IndexKeyFormat, KVFormat, StateGeometry, default_page_tokens, \
     init_state, tree_bytes
 from dsv4.step import StepRunner, enable_compilation_cache, make_step
@@ -478,14 +478,6 @@ def parse_collectives(hlo: str, n_devices: int) -> tuple[collections.Counter, in
     return found, in_unknown
 
 
-def _shard_map(f, mesh, in_specs, out_specs):
-    """jax.shard_map without replication checks (jax >= 0.7), else the experimental one."""
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    from jax.experimental.shard_map import shard_map  # pragma: no cover - older jax
-    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
-
-
 def _standalone_collective(c: Collective, devices: Sequence, reps: int):
     """A jitted program running collective `c` `reps` times in a loop on `devices`, and its input.
 
@@ -536,7 +528,7 @@ def _standalone_collective(c: Collective, devices: Sequence, reps: int):
         return jax.lax.fori_loop(0, reps, lambda i, carry: once(carry), tuple(xs))
 
     specs = tuple(spec for _ in inputs)
-    program = jax.jit(_shard_map(loop, mesh, specs, specs))
+    program = jax.jit(shard_map(loop, mesh, specs, specs))
     sharding = NamedSharding(mesh, spec)
     make = jax.jit(lambda: tuple(
         jax.random.uniform(jax.random.key(i), (n,) + s, jnp.float32).astype(t) if jnp.issubdtype(t, jnp.floating)

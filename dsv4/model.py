@@ -87,14 +87,14 @@ class Transformer(nnx.Module):
         self.norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype)
         self.head = _Embedding(v, d, param_dtype, rngs)  # [V, D], untied
 
-    def embed_streams(self, ids_BT: jax.Array) -> jax.Array:
+    def embed_streams(self, ids_BT: jax.Array, ops: OpSet) -> jax.Array:
         """The embedding copied into the C residual streams, [B, T, C, D]."""
-        x = self.embed.weight[...][ids_BT]
+        x = ops.embedding(self.embed.weight[...], ids_BT)
         return jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.cfg.hc_mult, x.shape[-1]))
 
     def hidden_streams(self, ids_BT: jax.Array, ops: OpSet) -> jax.Array:
         """The C-stream residual after the last block, [B, T, C, D]."""
-        h = self.embed_streams(ids_BT)
+        h = self.embed_streams(ids_BT, ops)
         for block in self.layers:
             h = block(h, ids_BT, ops)
         return h
@@ -114,7 +114,7 @@ class Transformer(nnx.Module):
         ctx = StepContext.build(batch)
         t = batch.tokens.shape[0]
         ids = batch.tokens[None]
-        h = self.embed_streams(ids)
+        h = self.embed_streams(ids, ops)
         tap_rows = jnp.clip(batch.tap_rows, 0, t - 1)
         new_state, taps = [], []
         for i, block in enumerate(self.layers):

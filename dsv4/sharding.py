@@ -17,6 +17,13 @@ deployment's rules table maps logical names to mesh axes (`data`, `tensor`, `exp
   slot-major rows (rings) by slot, pool rows by page. A data-parallel deployment must
   therefore give each request pages from its own data shard's page range.
 
+Most of the step is left to XLA's partitioner (jit with these shardings). Two ops are not:
+left alone, XLA gathers their whole weight to every device (on GPU it all-gathered every
+layer's dequantised experts, 4 GiB each, and the 1 GiB embedding table every step). So
+`Placement.shard_ops` runs them in `shard_map`: the routed experts on each device's own
+experts, the embedding lookup on each device's own vocabulary rows, each followed by one
+all-reduce of the [T, D] result. Kernels called through FFI are wrapped the same way.
+
 A dimension that the mesh axis does not divide stays replicated (`partition_spec` drops
 that axis), so tiny test configs shard wherever they can and stay correct everywhere;
 `replicated_share` and `sharding_report` show what that costs.
@@ -24,15 +31,18 @@ that axis), so tiny test configs shard wherever they can and stay correct everyw
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import re
-from typing import Mapping
+from typing import Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dsv4.ops.registry import OpSet
 from dsv4.state import DecodeState
 
 
@@ -228,3 +238,68 @@ class Placement:
         if self.max_replicated_share is not None:
             check_replication(params, param_specs(params, self.rules, self.mesh_shape), self.max_replicated_share)
         return jax.device_put(params, self.param_shardings(params))
+
+    def shard_ops(self, ops: OpSet) -> OpSet:
+        """`ops` with the routed experts and the embedding lookup run shard-locally (see the
+        module docstring); unchanged where their axis is absent, of size 1, or does not divide
+        the experts / vocabulary (those weights then stay replicated)."""
+        return dataclasses.replace(ops, moe_experts=self._local_moe(ops.moe_experts),
+                                   embedding=self._local_embedding(ops.embedding))
+
+    def _axis(self, logical: str) -> str | None:
+        axis = self.rules.get(logical)
+        return axis.value if axis is not None and self.mesh_shape.get(axis.value, 1) > 1 else None
+
+    def _local_moe(self, moe: Callable) -> Callable:
+        axis = self._axis(EXPERTS)
+        if axis is None:
+            return moe
+        n = self.mesh_shape[axis]
+
+        def sharded(x_TD, sel_TK, w_TK, w1, w3, w2, limit):
+            experts = w1.num_experts
+            if experts % n:
+                return moe(x_TD, sel_TK, w_TK, w1, w3, w2, limit)
+            leaves, tree = jax.tree_util.tree_flatten((w1, w3, w2))
+
+            def local(x, sel, w, *stored):
+                # Ids of other devices' experts fall outside [0, E/n): the op skips them.
+                first = jax.lax.axis_index(axis) * (experts // n)
+                y = moe(x, sel - first, w, *jax.tree_util.tree_unflatten(tree, stored), limit)
+                return jax.lax.psum(y, axis)
+
+            specs = (PartitionSpec(),) * 3 + (PartitionSpec(axis),) * len(leaves)
+            return shard_map(local, self.mesh, specs, PartitionSpec())(x_TD, sel_TK, w_TK, *leaves)
+
+        return sharded
+
+    def _local_embedding(self, embedding: Callable) -> Callable:
+        axis = self._axis(VOCAB)
+        if axis is None:
+            return embedding
+        n = self.mesh_shape[axis]
+
+        def sharded(table_VD, ids):
+            if table_VD.shape[0] % n:
+                return embedding(table_VD, ids)
+
+            def local(table, ids):
+                rows = table.shape[0]
+                local_ids = ids - jax.lax.axis_index(axis) * rows
+                here = (local_ids >= 0) & (local_ids < rows)
+                x = embedding(table, jnp.where(here, local_ids, 0))
+                # Exactly one device holds each row; the others add zeros, so the sum is exact.
+                return jax.lax.psum(jnp.where(here[..., None], x, jnp.zeros_like(x)), axis)
+
+            return shard_map(local, self.mesh, (PartitionSpec(axis, None), PartitionSpec()),
+                             PartitionSpec())(table_VD, ids)
+
+        return sharded
+
+
+def shard_map(f: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
+    """`jax.shard_map` without replication checks (jax >= 0.7), else the experimental one."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map as experimental  # pragma: no cover - older jax
+    return experimental(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)

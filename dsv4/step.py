@@ -125,12 +125,15 @@ class StepRunner:
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, config: ModelConfig, geometry: StateGeometry,
                  buckets: Sequence[Bucket], ops: OpSet, *, return_logits: bool = False,
                  policy: CompilePolicy = CompilePolicy.ERROR, placement: Placement | None = None):
-        """placement: run sharded on a mesh (params are placed onto their shards here and the
-        state is allocated sharded); None runs on the default device."""
+        """placement: run sharded on a mesh (params are placed onto their shards here, the
+        state is allocated sharded, and `ops` run shard-locally where the mesh splits their
+        weights: `Placement.shard_ops`); None runs on the default device."""
         if not buckets:
             raise ValueError("StepRunner needs at least one bucket")
         self.config, self.geometry, self.policy = config, geometry, policy
         self.buckets = tuple(sorted(set(buckets)))
+        if placement is not None:
+            ops = placement.shard_ops(ops)
         step = make_step(graphdef, geometry, ops, return_logits=return_logits)
         init = lambda: init_state(config, geometry)  # noqa: E731
         if placement is None:

@@ -5,8 +5,9 @@ Every oracle here is independent of the code under test:
   sink appended as an extra logit whose value row is zero (the same maths as "sink in the
   denominator only", written differently);
 - indexer: NumPy float64 scores and an argsort top-k, compared as sets per query;
-- MoE: the grouped (sort + ragged_dot) path against the naive loop oracle, and both against a
-  NumPy float64 per-assignment loop of the formula.
+- MoE: the grouped (sort + ragged_dot) and gathered (per-assignment) paths against the naive
+  loop oracle, and all against a NumPy float64 per-assignment loop of the formula; stored
+  FP4/FP8 expert stacks; assignments to experts held elsewhere (expert parallelism).
 Routing and top-k inputs carry distinct bumps so that no selection depends on tie-breaking
 (MaxText `moe_test.py`).
 """
@@ -23,7 +24,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from dsv4.ops.indexer_topk import indexer_scores, indexer_topk
-from dsv4.ops.moe_experts import moe_experts_grouped, moe_experts_loop, swiglu
+from dsv4 import quant
+from dsv4.config import WeightFormat
+from dsv4.ops.moe_experts import (ExpertStack, moe_experts, moe_experts_gathered, moe_experts_grouped,
+                                  moe_experts_loop, swiglu)
 from dsv4.ops.sparse_attention import sparse_attention
 
 # One tolerance table per dtype (STYLE.md).
@@ -37,8 +41,20 @@ FEW = settings(max_examples=12, deadline=None, database=None,
 
 attn = jax.jit(sparse_attention, static_argnames=("scale",))
 topk_fn = jax.jit(indexer_topk, static_argnames=("topk",))
-grouped = jax.jit(moe_experts_grouped, static_argnames=("limit",))
-loop = jax.jit(moe_experts_loop, static_argnames=("limit",))
+
+
+def _on_matrices(fn):
+    """The MoE op called with plain [E, out, in] matrices (wrapped as dense ExpertStacks)."""
+
+    def call(x, sel, w, w1, w3, w2, limit):
+        return fn(x, sel, w, *(ExpertStack.dense_stack(m) for m in (w1, w3, w2)), limit)
+
+    return jax.jit(call, static_argnames=("limit",))
+
+
+grouped = _on_matrices(moe_experts_grouped)
+gathered = _on_matrices(moe_experts_gathered)
+loop = _on_matrices(moe_experts_loop)
 
 
 def _np(x):
@@ -450,12 +466,13 @@ def test_moe_grouped_matches_loop_and_numpy_f32(t, e, k, d, f, mode):
     args = [jnp.asarray(a) for a in (x, sel, w, w1, w3, w2)]
     yg = grouped(*args, limit=limit)
     yl = loop(*args, limit=limit)
-    assert yg.dtype == yl.dtype == jnp.float32 and yg.shape == (t, d)
+    ya = gathered(*args, limit=limit)
+    assert yg.dtype == yl.dtype == ya.dtype == jnp.float32 and yg.shape == ya.shape == (t, d)
     want = _moe_oracle(x, sel, w, w1, w3, w2, limit)
     assert np.abs(want).max() > 0.1
     np.testing.assert_allclose(_np(yg), _np(yl), **TOL[jnp.float32])
-    np.testing.assert_allclose(_np(yg), want, **TOL[jnp.float32])
-    np.testing.assert_allclose(_np(yl), want, **TOL[jnp.float32])
+    for y in (yg, yl, ya):
+        np.testing.assert_allclose(_np(y), want, **TOL[jnp.float32])
 
 
 @settings(max_examples=10, deadline=None, database=None)
@@ -469,6 +486,7 @@ def test_moe_grouped_matches_numpy_random(t, e, k, d, f, mode, seed):
     args = [jnp.asarray(a) for a in (x, sel, w, w1, w3, w2)]
     want = _moe_oracle(x, sel, w, w1, w3, w2, 2.0)
     np.testing.assert_allclose(_np(grouped(*args, limit=2.0)), want, **TOL[jnp.float32])
+    np.testing.assert_allclose(_np(gathered(*args, limit=2.0)), want, **TOL[jnp.float32])
 
 
 @pytest.mark.parametrize("t,e,k,d,f,mode", [(7, 5, 2, 16, 24, "random"), (6, 8, 3, 10, 7, "hot")])
@@ -478,11 +496,13 @@ def test_moe_bfloat16(t, e, k, d, f, mode):
     sel, w = _routing(rng, t, e, k, mode)
     yg = grouped(x, jnp.asarray(sel), jnp.asarray(w), w1, w3, w2, limit=1.5)
     yl = loop(x, jnp.asarray(sel), jnp.asarray(w), w1, w3, w2, limit=1.5)
-    assert yg.dtype == yl.dtype == jnp.float32
+    ya = gathered(x, jnp.asarray(sel), jnp.asarray(w), w1, w3, w2, limit=1.5)
+    assert yg.dtype == yl.dtype == ya.dtype == jnp.float32
     np.testing.assert_allclose(_np(yg), _np(yl), **TOL[jnp.bfloat16])
     want = _moe_oracle(_np(x), sel, w, _np(w1), _np(w3), _np(w2), 1.5,
                        act_dtype=ml_dtypes.bfloat16)
     np.testing.assert_allclose(_np(yg), want, **TOL[jnp.bfloat16])
+    np.testing.assert_allclose(_np(ya), want, **TOL[jnp.bfloat16])
 
 
 def test_swiglu_clamps_up_both_sides_gate_from_above_only():
@@ -525,9 +545,50 @@ def test_moe_saturates_through_both_paths():
     a = 0.5 * np.array([silu(10.0) * 10.0, silu(-100.0) * -10.0, silu(5.0) * 3.0, silu(-20.0) * 10.0])
     want = np.array([[a.sum(), a[0] + 1000.0 * a[3]]])
     # A lower gate clamp would change column 1 by ~1000 * 0.5 * 10 * 4.5e-4 = 2.3.
-    for fn in (grouped, loop):
+    for fn in (grouped, gathered, loop):
         got = _np(fn(*(jnp.asarray(v) for v in (x, sel, wt, w1, w3, w2)), limit=limit))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn", [grouped, gathered, loop], ids=["grouped", "gathered", "loop"])
+def test_moe_skips_assignments_to_experts_held_elsewhere(fn):
+    """Expert parallelism shifts ids by the device's first expert: ids outside [0, E) (other
+    devices' experts) add nothing, exactly as if their routing weight were zero."""
+    rng = np.random.default_rng(5)
+    t, e, k, d, f = 9, 6, 3, 8, 5
+    x, w1, w3, w2 = _moe_inputs(rng, t, e, d, f)
+    sel, w = _routing(rng, t, 3 * e, k, "random")
+    sel = sel - e  # ids in [-e, 2e): a third local, the rest elsewhere on either side
+    here = (sel >= 0) & (sel < e)
+    assert here.any() and (~here).any()
+    want = _moe_oracle(x, np.where(here, sel, 0), np.where(here, w, 0.0), w1, w3, w2, 1.5)
+    got = fn(*(jnp.asarray(a) for a in (x, sel, w, w1, w3, w2)), limit=1.5)
+    np.testing.assert_allclose(_np(got), want, **TOL[jnp.float32])
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.FP4, WeightFormat.FP8])
+def test_moe_paths_agree_on_stored_expert_formats(fmt):
+    """FP4 / FP8 stacks: the gathered path dequantises only the routed experts' bytes and must
+    give what dequantising every expert gives (the loop oracle), and so must `moe_experts`
+    on either side of its T*K < E switch."""
+    rng = np.random.default_rng(9)
+    e, k, d, f = 8, 2, 64, 32
+    stored = []
+    for shape in ((e, f, d), (e, f, d), (e, d, f)):
+        m = rng.normal(size=shape).astype(np.float32) * 0.2
+        stored.append(ExpertStack(*(quant.quant_fp4(m) if fmt is WeightFormat.FP4 else quant.quant_fp8_block(m)),
+                                  fmt))
+    run = {name: jax.jit(op, static_argnames=("limit",)) for name, op in
+           (("loop", moe_experts_loop), ("gathered", moe_experts_gathered), ("grouped", moe_experts_grouped),
+            ("auto", moe_experts))}
+    for t in (3, 4, 7):  # t*k = 6 < 8 (gathered), 8 and 14 (grouped)
+        x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
+        sel, w = (jnp.asarray(a) for a in _routing(rng, t, e, k, "random"))
+        want = _np(run["loop"](x, sel, w, *stored, limit=2.0))
+        assert np.abs(want).max() > 0.1
+        for name in ("gathered", "grouped", "auto"):
+            np.testing.assert_allclose(_np(run[name](x, sel, w, *stored, limit=2.0)), want, **TOL[jnp.float32],
+                                       err_msg=f"{name}, t={t}")
 
 
 def test_map_in_tiles_equals_one_pass_including_a_ragged_last_tile():

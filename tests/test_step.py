@@ -360,7 +360,7 @@ def test_taps_are_the_stream_means_of_the_target_layers_outputs(tmp_path_factory
     module = model.module
     ops = ops_for("reference")
     ids = jnp.asarray(seq[None], jnp.int32)
-    h, want = module.embed_streams(ids), []
+    h, want = module.embed_streams(ids, ops), []
     for i, block in enumerate(module.layers):
         h = block(h, ids, ops)
         if i in cfg.dspark_target_layer_ids:

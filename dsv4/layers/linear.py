@@ -16,6 +16,7 @@ from flax import nnx
 
 from dsv4 import quant
 from dsv4.config import WeightFormat
+from dsv4.ops.moe_experts.stack import ExpertStack
 
 
 def _init(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
@@ -77,9 +78,7 @@ class ExpertWeights(nnx.Module):
         else:
             self.weight = nnx.Param(w.astype(param_dtype))
 
-    def dense(self, dtype: jnp.dtype) -> jax.Array:
-        if self.fmt is WeightFormat.FP4:
-            return quant.dequant_fp4(self.weight[...], self.scale[...], dtype)
-        if self.fmt is WeightFormat.FP8:
-            return quant.dequant_fp8_block(self.weight[...], self.scale[...], dtype)
-        return self.weight[...].astype(dtype)
+    def stack(self) -> ExpertStack:
+        """The stored tensors, for the MoE op to dequantise what it reads."""
+        scale = self.scale[...] if self.fmt in (WeightFormat.FP4, WeightFormat.FP8) else None
+        return ExpertStack(self.weight[...], scale, self.fmt)

@@ -80,8 +80,7 @@ class MoE(nnx.Module):
         b, t, d = x_BTD.shape
         x = x_BTD.reshape(b * t, d)
         sel, w = self.gate(x, ids_BT.reshape(-1))
-        dt = x.dtype
-        routed = ops.moe_experts(x, sel, w, self.experts.w1.dense(dt), self.experts.w3.dense(dt),
-                                 self.experts.w2.dense(dt), self.cfg.swiglu_limit)
+        ex = self.experts
+        routed = ops.moe_experts(x, sel, w, ex.w1.stack(), ex.w3.stack(), ex.w2.stack(), self.cfg.swiglu_limit)
         y = routed + self.shared_experts(x)
-        return y.astype(dt).reshape(b, t, d)
+        return y.astype(x.dtype).reshape(b, t, d)
