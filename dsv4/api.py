@@ -38,7 +38,7 @@ class Model:
         self.placement = placement  # the mesh and rules the parameters are sharded by (None: one device)
         self.load_summary = load_summary  # one line: what was loaded from where
         self._graphdef, self._state = nnx.split(module)
-        ops = ops_for(backend)
+        ops = ops_for(backend) if placement is None else placement.shard_ops(ops_for(backend))
         graphdef = self._graphdef
 
         def logits_fn(state, ids):

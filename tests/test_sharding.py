@@ -132,6 +132,9 @@ def test_load_pretrained_with_a_placement_generates_like_one_device(tmp_path, de
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8], [5] * 20]
     kw = dict(max_num_seqs=2, max_num_batched_tokens=16)
     assert sharded.generate(prompts, 6, **kw) == plain.generate(prompts, 6, **kw)
+    want = np.asarray(plain.logits([prompts[0]]))
+    err = np.max(np.abs(np.asarray(sharded.logits([prompts[0]])) - want)) / np.max(np.abs(want))
+    assert err <= REL[np.dtype(np.float32)], err  # the whole-sequence forward runs shard-locally too
 
 
 def test_a_converted_checkpoint_restores_straight_onto_its_shards(tmp_path):
