@@ -13,7 +13,8 @@ import os
 import sys
 import time
 
-from serving.demo_model import ByteTokenizer, ensure_demo_checkpoint
+from serving.demo_model import ensure_demo_checkpoint
+from serving.tokenizer import ByteTokenizer
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
