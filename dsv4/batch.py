@@ -49,6 +49,9 @@ class StepBatch:
     out_rows [O]: token rows whose next-token distribution is returned; -1 for none.
     out_temperature [O] (f32): sampling temperature per output row; 0 = greedy.
     out_seed [O] (uint32): the request's sampling seed.
+    out_top_k [O]: top-k filter per output row; 0 = off (and in padding).
+    out_top_p [O] (f32): top-p filter per output row; 1 = off (and in padding).
+    out_min_p [O] (f32): min-p filter per output row; 0 = off (and in padding).
     tap_rows [Ot]: token rows whose per-layer hidden taps are returned; -1 for none.
     """
 
@@ -62,6 +65,9 @@ class StepBatch:
     out_rows: jax.Array
     out_temperature: jax.Array
     out_seed: jax.Array
+    out_top_k: jax.Array
+    out_top_p: jax.Array
+    out_min_p: jax.Array
     tap_rows: jax.Array
 
     @property
@@ -76,8 +82,10 @@ class Chunk:
     slot: its state slot; start: its committed length (position of tokens[0]);
     pages: its page table (at least enough pages for start + len(tokens) positions);
     outputs: offsets into `tokens` whose next-token distributions are wanted;
-    temperature / seed: how those are sampled (temperature 0 = greedy);
-    taps: offsets into `tokens` whose hidden taps are wanted.
+    temperature / seed: how those are sampled (temperature 0 = greedy, which ignores the filters);
+    taps: offsets into `tokens` whose hidden taps are wanted;
+    top_k / top_p / min_p: sampling filters (0 / 1.0 / 0.0 = off; `dsv4.sampling.sample`).
+    The filters come last so positional construction of the older fields keeps working.
     """
 
     slot: int
@@ -88,6 +96,9 @@ class Chunk:
     temperature: float = 0.0
     seed: int = 0
     taps: Sequence[int] = ()
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
 
 
 def pack_batch(chunks: Sequence[Chunk], bucket: Bucket, geometry: StateGeometry) -> StepBatch:
@@ -109,7 +120,8 @@ def pack_batch(chunks: Sequence[Chunk], bucket: Bucket, geometry: StateGeometry)
         req_first_row=np.zeros(r_cap, np.int32), req_num_tokens=np.zeros(r_cap, np.int32),
         page_table=np.full((r_cap, p_cap), -1, np.int32), out_rows=np.full(o_cap, -1, np.int32),
         out_temperature=np.zeros(o_cap, np.float32), out_seed=np.zeros(o_cap, np.uint32),
-        tap_rows=np.full(tap_cap, -1, np.int32))
+        out_top_k=np.zeros(o_cap, np.int32), out_top_p=np.ones(o_cap, np.float32),
+        out_min_p=np.zeros(o_cap, np.float32), tap_rows=np.full(tap_cap, -1, np.int32))
     row = out = tap = 0
     for i, c in enumerate(chunks):
         _check_chunk(c, geometry)
@@ -120,6 +132,9 @@ def pack_batch(chunks: Sequence[Chunk], bucket: Bucket, geometry: StateGeometry)
         b["page_table"][i, :len(c.pages)] = c.pages
         for k in c.outputs:
             b["out_rows"][out], b["out_temperature"][out], b["out_seed"][out] = row + k, c.temperature, c.seed
+            # top_k >= V is off anyway; clipping keeps a huge k from overflowing int32.
+            b["out_top_k"][out] = min(int(c.top_k), np.iinfo(np.int32).max)
+            b["out_top_p"][out], b["out_min_p"][out] = c.top_p, c.min_p
             out += 1
         for k in c.taps:
             b["tap_rows"][tap] = row + k
@@ -145,8 +160,15 @@ def _check_chunk(c: Chunk, geometry: StateGeometry) -> None:
     for what, offsets in (("output", c.outputs), ("tap", c.taps)):
         if any(not 0 <= k < n for k in offsets):
             raise ValueError(f"slot {c.slot}: {what} offsets must lie in [0, {n}), got {list(offsets)}")
-    if c.temperature < 0 or not np.isfinite(c.temperature):
+    if not (np.isfinite(c.temperature) and c.temperature >= 0):
         raise ValueError(f"slot {c.slot}: temperature must be finite and >= 0, got {c.temperature}")
+    if not (isinstance(c.top_k, (int, np.integer)) and not isinstance(c.top_k, bool) and c.top_k >= 0):
+        raise ValueError(f"slot {c.slot}: top_k must be an integer >= 0 (0 = off), got {c.top_k!r}")
+    # Written as `not (in range)` so that NaN fails too.
+    if not 0 < c.top_p <= 1:
+        raise ValueError(f"slot {c.slot}: top_p must lie in (0, 1] (1 = off), got {c.top_p}")
+    if not 0 <= c.min_p <= 1:
+        raise ValueError(f"slot {c.slot}: min_p must lie in [0, 1] (0 = off), got {c.min_p}")
 
 
 @jax.tree_util.register_dataclass

@@ -3,8 +3,10 @@
 `step(params, state, batch) -> (state', StepOutputs)` is the only program the engine runs on
 the device (DESIGN "The one step function"): a ragged batch of prefill chunks, decode
 tokens and verification blocks of many requests, padded to a static `Bucket`, against the
-decode state, which it donates. Outputs are one small pytree fetched with one
-`jax.device_get` per step.
+decode state, which it donates. Each output row's next token is sampled inside the step
+with the row's own temperature / top-k / top-p / min-p and seed (`dsv4.sampling`); with
+`max_logprobs` = N > 0 the step also returns the raw-model logprob of every sampled token
+and the top N. Outputs are one small pytree fetched with one `jax.device_get` per step.
 
 `StepRunner` lifecycle: construct (allocates the state), `warmup()` compiles every bucket
 ahead of time (with the persistent compilation cache when the entry point enabled it),
@@ -30,7 +32,7 @@ from flax import nnx
 from dsv4.batch import Bucket, Chunk, StepBatch, pack_batch
 from dsv4.config import ModelConfig
 from dsv4.ops.registry import OpSet
-from dsv4.sampling import sample
+from dsv4.sampling import logprobs as token_logprobs, sample
 from dsv4.sharding import Placement
 from dsv4.state import DecodeState, StateGeometry, init_state
 
@@ -43,16 +45,30 @@ class StepOutputs:
     tokens [O] int32: the sampled next token of each output row.
     logits [O, V] f32, or None when the runner does not return logits.
     taps [Ot, n_taps, D]: hidden taps for the draft head.
+    logprobs [O] f32: log_softmax of the raw logits (before temperature and filters) at `tokens`;
+    top_ids [O, N] int32 / top_logprobs [O, N] f32: the N most probable tokens of the raw
+    distribution, descending. All three are None when the step was made with max_logprobs=0;
+    otherwise they cover every output row (padding rows too) and callers slice per request.
     """
 
     tokens: jax.Array
     logits: jax.Array | None
     taps: jax.Array
+    logprobs: jax.Array | None = None
+    top_ids: jax.Array | None = None
+    top_logprobs: jax.Array | None = None
 
 
-def make_step(graphdef: nnx.GraphDef, geometry: StateGeometry, ops: OpSet, *,
-              return_logits: bool) -> Callable[[nnx.State, DecodeState, StepBatch], tuple[DecodeState, StepOutputs]]:
-    """The pure step function of a model (graphdef) for a state geometry and op set."""
+def make_step(graphdef: nnx.GraphDef, geometry: StateGeometry, ops: OpSet, *, return_logits: bool,
+              max_logprobs: int = 0) -> Callable[[nnx.State, DecodeState, StepBatch], tuple[DecodeState, StepOutputs]]:
+    """The pure step function of a model (graphdef) for a state geometry and op set.
+
+    max_logprobs: N > 0 also returns every output row's sampled-token logprob and top-N
+    logprobs (`StepOutputs`); 0 returns None for them and computes nothing. N > 0 costs every
+    step a top-N over [O, V] whether or not a request wants logprobs (`dsv4.sampling.logprobs`).
+    """
+    if max_logprobs < 0:
+        raise ValueError(f"max_logprobs must be >= 0, got {max_logprobs}")
 
     def step(params: nnx.State, state: DecodeState, batch: StepBatch) -> tuple[DecodeState, StepOutputs]:
         model = nnx.merge(graphdef, params)
@@ -61,8 +77,13 @@ def make_step(graphdef: nnx.GraphDef, geometry: StateGeometry, ops: OpSet, *,
         rows = jnp.clip(batch.out_rows, 0, batch.tokens.shape[0] - 1)
         req = jnp.clip(batch.token_req[rows], 0, r - 1)
         next_pos = batch.req_start[req] + rows - batch.req_first_row[req] + 1
-        tokens = sample(logits, batch.out_temperature, batch.out_seed, next_pos)
-        return state, StepOutputs(tokens=tokens, logits=logits if return_logits else None, taps=taps)
+        tokens = sample(logits, batch.out_temperature, batch.out_top_k, batch.out_top_p, batch.out_min_p,
+                        batch.out_seed, next_pos)
+        token_lp = top_ids = top_lp = None
+        if max_logprobs:
+            token_lp, top_ids, top_lp = token_logprobs(logits, tokens, max_logprobs)
+        return state, StepOutputs(tokens=tokens, logits=logits if return_logits else None, taps=taps,
+                                  logprobs=token_lp, top_ids=top_ids, top_logprobs=top_lp)
 
     return step
 
@@ -124,17 +145,21 @@ class StepRunner:
 
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, config: ModelConfig, geometry: StateGeometry,
                  buckets: Sequence[Bucket], ops: OpSet, *, return_logits: bool = False,
-                 policy: CompilePolicy = CompilePolicy.ERROR, placement: Placement | None = None):
+                 policy: CompilePolicy = CompilePolicy.ERROR, placement: Placement | None = None,
+                 max_logprobs: int = 0):
         """placement: run sharded on a mesh (params are placed onto their shards here, the
         state is allocated sharded, and `ops` run shard-locally where the mesh splits their
-        weights: `Placement.shard_ops`); None runs on the default device."""
+        weights: `Placement.shard_ops`); None runs on the default device.
+        max_logprobs: N > 0 returns logprobs and the top N per output row (`StepOutputs`)."""
         if not buckets:
             raise ValueError("StepRunner needs at least one bucket")
+        if not 0 <= max_logprobs <= config.vocab_size:
+            raise ValueError(f"max_logprobs must lie in [0, {config.vocab_size}] (the vocabulary), got {max_logprobs}")
         self.config, self.geometry, self.policy = config, geometry, policy
         self.buckets = tuple(sorted(set(buckets)))
         if placement is not None:
             ops = placement.shard_ops(ops)
-        step = make_step(graphdef, geometry, ops, return_logits=return_logits)
+        step = make_step(graphdef, geometry, ops, return_logits=return_logits, max_logprobs=max_logprobs)
         init = lambda: init_state(config, geometry)  # noqa: E731
         if placement is None:
             self.params = params
