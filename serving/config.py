@@ -1,0 +1,169 @@
+"""`ServingConfig`: every serving knob in one typed object, parsed once at the entry point.
+
+Sources, later ones winning: the defaults here, a TOML or YAML file (`--config FILE`, keys
+named like the fields), then command-line flags. Library code receives the object; nothing
+reads environment variables.
+
+`make_engine(model, config)` sizes the decode state and the static buckets for a loaded
+`dsv4.Model` and returns a ready (warmed-up) `serving.engine.Engine`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import tomllib
+from typing import Any, Callable, Mapping
+
+DEMO_MODEL = "tiny"
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "dsv4-jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingConfig:
+    model: str = DEMO_MODEL  # a checkpoint directory, or "tiny" for the embedded demo model
+    demo_dir: str = os.path.join(DEFAULT_CACHE, "tiny-demo")  # where the demo checkpoint is written
+    dtype: str = "auto"  # float32 | bfloat16 | auto (float32 on CPU, bfloat16 on accelerators)
+    backend: str = "reference"  # kernel backend (dsv4.ops.registry.Backend)
+    deployment: str | None = None  # tp | tp_ep | dp_tp (dsv4.sharding.Deployment); None: one device
+    mesh: tuple[int, ...] = ()  # axis sizes in the deployment's MESH_AXES order
+    max_num_seqs: int = 8  # requests decoded concurrently (state slots)
+    max_num_batched_tokens: int = 256  # tokens per step
+    memory_fraction: float = 0.9  # share of device memory for parameters + state (accelerators)
+    max_model_len: int = 4096  # prompt + max_tokens per request
+    max_req_tokens: int | None = None  # an operator's tighter cap on prompt + max_tokens
+    max_waiting: int = 1024  # queued requests before RESOURCE_EXHAUSTED
+    max_logprobs: int = 20  # the widest top-n logprobs a request may ask for
+    speculation: str = "none"  # none | mtp | dspark
+    bucket_tokens: tuple[int, ...] = ()  # step token sizes to compile; () = powers of two
+    compilation_cache: str | None = os.path.join(DEFAULT_CACHE, "xla")
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("bad serving config: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        bad = []
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            bad.append(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.max_num_seqs < 1:
+            bad.append(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            bad.append(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                       f"({self.max_num_seqs}): every running request decodes one token per step")
+        if not 0 < self.memory_fraction <= 1:
+            bad.append(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.max_model_len < 2:
+            bad.append(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_req_tokens is not None and not 2 <= self.max_req_tokens <= self.max_model_len:
+            bad.append(f"max_req_tokens must be in [2, max_model_len={self.max_model_len}], got {self.max_req_tokens}")
+        if self.max_waiting < 1:
+            bad.append(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if self.max_logprobs < 0:
+            bad.append(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.speculation != "none":
+            bad.append(f"speculation {self.speculation!r} is not available yet (only 'none')")
+        if (self.deployment is None) != (not self.mesh):
+            bad.append("deployment and mesh go together (e.g. deployment tp with mesh 2)")
+        if any(t < 1 for t in self.bucket_tokens) or (self.bucket_tokens and
+                                                      max(self.bucket_tokens) != self.max_num_batched_tokens):
+            bad.append(f"bucket_tokens must be positive and end at max_num_batched_tokens, got {self.bucket_tokens}")
+        return bad
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], source: str = "config") -> ServingConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"{source}: unknown keys {unknown}; known: {sorted(names)}")
+        fixed = {k: tuple(v) if k in ("mesh", "bucket_tokens") and v is not None else v for k, v in values.items()}
+        return cls(**fixed)
+
+    @classmethod
+    def from_file(cls, path: str) -> ServingConfig:
+        """A TOML (.toml) or YAML (.yaml / .yml) file of field values."""
+        return cls.from_mapping(read_config_file(path), path)
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    if path.endswith(".toml"):
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of config keys")
+        return data
+    raise ValueError(f"{path}: config files are .toml, .yaml or .yml")
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.replace("x", ",").split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+_FLAG_TYPES: dict[str, Callable[[str], Any]] = {"mesh": _sizes, "bucket_tokens": _sizes}
+
+
+def add_serving_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServingConfig field (--max-num-seqs, ...), plus --config FILE."""
+    parser.add_argument("--config", dest="config_file", default=None, help="a TOML or YAML ServingConfig file")
+    defaults = ServingConfig()
+    for f in dataclasses.fields(ServingConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        kind = _FLAG_TYPES.get(f.name) or (type(default) if default is not None and not isinstance(default, str)
+                                           else (int if f.name == "max_req_tokens" else str))
+        parser.add_argument(flag, dest=f.name, type=kind, default=None, help=f"(default: {default})")
+
+
+def config_from_args(args: argparse.Namespace) -> ServingConfig:
+    """Defaults, then --config FILE, then the flags given."""
+    values: dict[str, Any] = {}
+    if getattr(args, "config_file", None):
+        values.update(read_config_file(args.config_file))
+    for f in dataclasses.fields(ServingConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            values[f.name] = v
+    if values.get("compilation_cache") == "":
+        values["compilation_cache"] = None
+    return ServingConfig.from_mapping(values, args.config_file or "flags")
+
+
+def make_engine(model, config: ServingConfig, *, progress: Callable[[int, int, Any], None] | None = None):
+    """A warmed-up Engine for a loaded `dsv4.Model` (state sized by max_num_seqs and max_model_len)."""
+    from dsv4.ops.registry import ops_for
+    from dsv4.state import StateGeometry, default_page_tokens
+    from dsv4.step import CompilePolicy, StepRunner, make_buckets
+    from serving.engine import Engine, EngineLimits
+
+    cfg = model.config
+    if config.max_model_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
+                         f"{cfg.max_position_embeddings}")
+    page = default_page_tokens(cfg)
+    per_seq = math.ceil(config.max_model_len / page)
+    shards = model.placement.mesh_shape.get("data", 1) if model.placement is not None else 1
+    slots = math.ceil(config.max_num_seqs / shards) * shards
+    geometry = StateGeometry(num_slots=slots, num_pages=slots * per_seq, page_tokens=page,
+                             max_pages_per_seq=per_seq, max_spec_tokens=0,
+                             dtype=model.params["embed"]["weight"][...].dtype)
+    sizes = list(config.bucket_tokens) or None
+    buckets = make_buckets(config.max_num_batched_tokens, slots, token_sizes=sizes)
+    runner = StepRunner(model.graphdef, model.params, cfg, geometry, buckets, ops_for(model.backend),
+                        policy=CompilePolicy.WARN, placement=model.placement, max_logprobs=config.max_logprobs)
+    runner.warmup(progress)
+    limits = EngineLimits(vocab_size=cfg.vocab_size, eos_token_ids=(cfg.eos_token_id,),
+                          max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
+                          max_req_tokens=config.max_req_tokens, max_waiting=config.max_waiting,
+                          max_logprobs=config.max_logprobs)
+    return Engine(runner, limits, data_shards=shards)

@@ -1,0 +1,485 @@
+"""The serving engine: requests in, token events out, over the one step function.
+
+`Engine` is a typed interface (`submit`, `step`, `cancel`, `stats`) around a `StepRunner`
+(or anything with its `run` / `geometry` / `buckets`), with a continuous-batching scheduler:
+
+- Every step has a token budget (`max_num_batched_tokens`). Running requests that are
+  decoding get one token each first; then running prefills continue in chunks; then waiting
+  requests are admitted (priority, then arrival: FIFO by default) while a state slot is
+  free and the budget lasts.
+- Pages are allocated only for the tokens a step actually writes (no lookahead for running
+  prefill chunks, no reservation for max_tokens). When a request needs a page and none is
+  free, the running request of lowest priority (latest arrival among equals) is preempted
+  by recompute: its slot and pages are freed and it waits again; when readmitted it
+  re-prefills its prompt plus the tokens it had generated. Sampling is keyed by (seed,
+  position, stream), so a recomputed request continues with exactly the tokens it would
+  have produced.
+- One request = `tokens` (prompt, then generated) and `committed` (how many are in the
+  state). A step feeds tokens[committed : committed + n]; when that reaches the end of
+  `tokens` the last row's next token is sampled. Prefill, decode and recompute are the same
+  case.
+- Under data parallelism (`data_shards` > 1) slot s and page p live on data shard
+  s * n // slots and p * n // pages, and a request takes pages from its slot's shard only.
+
+Stop strings are a text-level matter (they need the tokenizer): the caller that detokenises
+calls `cancel(request_id, FinishReason.STOP)` when one appears. The engine is
+single-threaded; a server drives it from one loop thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import math
+import time
+from typing import Callable, Iterable, Protocol, Sequence
+
+import numpy as np
+
+from dsv4.batch import Bucket, Chunk
+from dsv4.state import StateGeometry
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop token, EOS or (set by the text layer) a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # cancelled by the client or the server
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its limit (a server answers RESOURCE_EXHAUSTED)."""
+
+
+MAX_SEED = 2**32 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops (token level)."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
+    seed: int | None = None  # None: one is drawn and reported in Usage.seed
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int = 0  # top-n logprobs per generated token (0 = none)
+
+    def problems(self, vocab_size: int, max_logprobs: int) -> list[str]:
+        """What is wrong with these parameters (empty when they are valid)."""
+        bad = []
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            bad.append(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            bad.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            bad.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not (0 <= self.min_p <= 1):
+            bad.append(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not (0 <= self.seed <= MAX_SEED):
+            bad.append(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
+        if self.max_tokens < 1:
+            bad.append(f"max_tokens must be >= 1, got {self.max_tokens}")
+        out_of_vocab = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if out_of_vocab:
+            bad.append(f"stop_token_ids {out_of_vocab} are outside the vocabulary [0, {vocab_size})")
+        if not (0 <= self.logprobs <= max_logprobs):
+            bad.append(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}")
+        return bad
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    priority: int = 0  # lower runs first; ties by arrival
+
+
+@dataclasses.dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    seed: int = 0  # the seed the request sampled with (drawn when it gave none)
+    preemptions: int = 0
+    queue_s: float = 0.0  # arrival -> first admitted
+    first_token_s: float = 0.0  # arrival -> first generated token
+    total_s: float = 0.0  # arrival -> finished
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What a step produced for one request: its new tokens, and the end when it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None  # on the finishing output only
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    waiting: int
+    running: int
+    free_pages: int
+    total_pages: int
+    free_slots: int
+    steps: int
+    tokens_scheduled: int  # tokens fed to the model since start
+    tokens_generated: int
+    preemptions: int
+    host_ms_per_step: float  # mean time planning a step and handling its outputs
+    run_ms_per_step: float  # mean time in the runner (packing, device, fetching outputs)
+
+
+class StepRunnerLike(Protocol):
+    geometry: StateGeometry
+    buckets: tuple[Bucket, ...]
+
+    def run(self, chunks: Sequence[Chunk]): ...
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLimits:
+    """Admission limits (a request over them is rejected at submit, never truncated)."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_num_batched_tokens: int
+    max_model_len: int  # prompt + max_tokens per request
+    max_req_tokens: int | None = None  # an operator's tighter cap on prompt + max_tokens
+    max_waiting: int = 1024
+    max_logprobs: int = 0  # the runner's top-n logprobs width (0: logprobs unsupported)
+
+
+class PagePool:
+    """Free pages per data shard. Page p belongs to shard p * shards // num_pages."""
+
+    def __init__(self, num_pages: int, shards: int = 1):
+        if num_pages % shards:
+            raise ValueError(f"{num_pages} pages do not split evenly over {shards} data shards")
+        self.num_pages, self.shards = num_pages, shards
+        per = num_pages // shards
+        self._free = [collections.deque(range(s * per, (s + 1) * per)) for s in range(shards)]
+
+    def free_count(self, shard: int | None = None) -> int:
+        return sum(len(f) for f in self._free) if shard is None else len(self._free[shard])
+
+    def take(self, shard: int, n: int) -> list[int] | None:
+        """n pages of `shard`, or None (and nothing taken) when it has fewer free."""
+        free = self._free[shard]
+        if len(free) < n:
+            return None
+        return [free.popleft() for _ in range(n)]
+
+    def give_back(self, pages: Iterable[int]) -> None:
+        for p in pages:
+            self._free[p * self.shards // self.num_pages].append(p)
+
+
+@dataclasses.dataclass
+class _Live:
+    """A request inside the engine."""
+
+    req: EngineRequest
+    seed: int
+    arrival: float
+    tokens: list[int]  # prompt, then generated
+    prompt_len: int
+    committed: int = 0  # tokens in the decode state
+    slot: int = -1
+    pages: list[int] = dataclasses.field(default_factory=list)
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    preemptions: int = 0
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def order(self) -> tuple[int, float]:
+        return (self.req.priority, self.arrival)
+
+
+class Engine:
+    """Continuous batching over a step runner. Single-threaded: call from one thread."""
+
+    def __init__(self, runner: StepRunnerLike, limits: EngineLimits, *, data_shards: int = 1,
+                 clock: Callable[[], float] = time.monotonic, seed_source: Callable[[], int] | None = None):
+        geo = runner.geometry
+        if limits.max_num_batched_tokens > runner.buckets[-1].tokens:
+            raise ValueError(f"max_num_batched_tokens {limits.max_num_batched_tokens} exceeds the largest bucket "
+                             f"{runner.buckets[-1]}")
+        if limits.max_model_len > geo.max_seq_len:
+            raise ValueError(f"max_model_len {limits.max_model_len} exceeds the state's {geo.max_seq_len} positions")
+        if geo.num_slots % data_shards:
+            raise ValueError(f"{geo.num_slots} slots do not split evenly over {data_shards} data shards")
+        per_shard = geo.num_pages // data_shards
+        if -(-limits.max_model_len // geo.page_tokens) > per_shard:
+            raise ValueError(f"max_model_len {limits.max_model_len} needs more pages than a data shard has "
+                             f"({per_shard} of {geo.page_tokens} tokens)")
+        self.runner, self.limits, self.geometry = runner, limits, geo
+        self.data_shards = data_shards
+        self._clock = clock
+        self._seed_source = seed_source or (lambda: int(np.random.SeedSequence().generate_state(1)[0]))
+        self._pages = PagePool(geo.num_pages, data_shards)
+        self._free_slots = list(range(geo.num_slots))
+        self._waiting: list[_Live] = []  # kept sorted by (priority, arrival)
+        self._running: list[_Live] = []
+        self._ids: set[str] = set()
+        self._aborted: list[RequestOutput] = []
+        self._max_requests = min(geo.num_slots, runner.buckets[-1].requests)
+        self._steps = self._tokens = self._generated = self._preemptions = 0
+        self._host_s = self._run_s = 0.0
+
+    # ---- interface ---------------------------------------------------------------------
+
+    def validate(self, req: EngineRequest) -> list[str]:
+        """What is wrong with a request (empty when it can be submitted)."""
+        lim = self.limits
+        bad = list(req.sampling.problems(lim.vocab_size, lim.max_logprobs))
+        if not req.request_id:
+            bad.append("request_id must not be empty")
+        if not req.prompt_token_ids:
+            bad.append("the prompt is empty")
+        out_of_vocab = [t for t in req.prompt_token_ids if not 0 <= t < lim.vocab_size]
+        if out_of_vocab:
+            bad.append(f"prompt token ids {out_of_vocab[:5]} are outside the vocabulary [0, {lim.vocab_size})")
+        total = len(req.prompt_token_ids) + req.sampling.max_tokens
+        if total > lim.max_model_len:
+            bad.append(f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({req.sampling.max_tokens}) = "
+                       f"{total} exceeds max_model_len {lim.max_model_len}")
+        if lim.max_req_tokens is not None and total > lim.max_req_tokens:
+            bad.append(f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({req.sampling.max_tokens}) = "
+                       f"{total} exceeds max_req_tokens {lim.max_req_tokens}")
+        return bad
+
+    def submit(self, req: EngineRequest) -> int:
+        """Queue a request; returns the seed it will sample with. ValueError (every problem,
+        "; "-separated) for a bad request or a duplicate id; QueueFullError when the queue is full."""
+        bad = self.validate(req)
+        if req.request_id in self._ids:
+            bad.append(f"request_id {req.request_id!r} is already in flight")
+        if bad:
+            raise ValueError("; ".join(bad))
+        if len(self._waiting) >= self.limits.max_waiting:
+            raise QueueFullError(f"{len(self._waiting)} requests are waiting (limit {self.limits.max_waiting})")
+        seed = self._seed_source() if req.sampling.seed is None else req.sampling.seed
+        live = _Live(req=req, seed=seed, arrival=self._clock(), tokens=list(req.prompt_token_ids),
+                     prompt_len=len(req.prompt_token_ids))
+        self._ids.add(req.request_id)
+        self._enqueue(live)
+        return seed
+
+    def cancel(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """Finish a request now, freeing its slot and pages; its final output (with `reason`)
+        comes from the next `step()`. False when the id is not in flight."""
+        for queue in (self._waiting, self._running):
+            for live in queue:
+                if live.req.request_id == request_id:
+                    queue.remove(live)
+                    self._release(live)
+                    self._aborted.append(self._final(live, [], None, reason))
+                    return True
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._aborted)
+
+    def stats(self) -> EngineStats:
+        n = max(self._steps, 1)
+        return EngineStats(waiting=len(self._waiting), running=len(self._running),
+                           free_pages=self._pages.free_count(), total_pages=self.geometry.num_pages,
+                           free_slots=len(self._free_slots), steps=self._steps, tokens_scheduled=self._tokens,
+                           tokens_generated=self._generated, preemptions=self._preemptions,
+                           host_ms_per_step=1e3 * self._host_s / n, run_ms_per_step=1e3 * self._run_s / n)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; the outputs of every request that advanced or ended."""
+        outputs, self._aborted = self._aborted, []
+        t0 = time.perf_counter()
+        plan = self._schedule()
+        if not plan:
+            self._host_s += time.perf_counter() - t0
+            return outputs
+        chunks = [self._chunk(live, n) for live, n in plan]
+        t1 = time.perf_counter()
+        result = self.runner.run(chunks)
+        t2 = time.perf_counter()
+        self._steps += 1
+        self._tokens += sum(n for _, n in plan)
+        now = self._clock()
+        row = 0
+        for (live, n), chunk in zip(plan, chunks):
+            live.committed += n
+            if not chunk.outputs:
+                continue
+            token = int(result.tokens[row])
+            lp = self._logprob(result, row, token, live.req.sampling.logprobs)
+            row += 1
+            live.tokens.append(token)
+            self._generated += 1
+            if live.first_token_at is None:
+                live.first_token_at = now
+            reason = self._stop_reason(live, token)
+            if reason is None:
+                outputs.append(RequestOutput(live.req.request_id, [token], None if lp is None else [lp]))
+            else:
+                self._running.remove(live)
+                self._release(live)
+                outputs.append(self._final(live, [token], None if lp is None else [lp], reason))
+        self._host_s += (t1 - t0) + (time.perf_counter() - t2)
+        self._run_s += t2 - t1
+        return outputs
+
+    # ---- scheduling --------------------------------------------------------------------
+
+    def _schedule(self) -> list[tuple[_Live, int]]:
+        """(request, tokens to feed) for this step, pages allocated."""
+        budget = self.limits.max_num_batched_tokens
+        plan: list[tuple[_Live, int]] = []
+        # Decoding requests first (one token each), oldest first; then running prefills.
+        for live in sorted(self._running, key=lambda r: (len(r.tokens) - r.committed > 1, r.order)):
+            if live not in self._running:  # preempted while making room for an earlier one
+                continue
+            if budget <= 0 or len(plan) >= self._max_requests:
+                break
+            n = min(len(live.tokens) - live.committed, budget)
+            n = self._grow(live, n, plan)
+            if n > 0:
+                plan.append((live, n))
+                budget -= n
+        # Then admit waiting requests while a slot, pages and budget last.
+        while self._waiting and budget > 0 and len(plan) < self._max_requests and self._free_slots:
+            live = self._waiting[0]
+            slot = self._slot_with_pages(live)
+            if slot is None:
+                break
+            self._waiting.pop(0)
+            self._free_slots.remove(slot)
+            live.slot, live.committed = slot, 0
+            if live.admitted_at is None:
+                live.admitted_at = self._clock()
+            self._running.append(live)
+            n = self._grow(live, min(len(live.tokens), budget), plan)
+            if n > 0:
+                plan.append((live, n))
+                budget -= n
+        return plan
+
+    def _shard(self, slot: int) -> int:
+        return slot * self.data_shards // self.geometry.num_slots
+
+    def _pages_for(self, positions: int) -> int:
+        return -(-positions // self.geometry.page_tokens)
+
+    def _slot_with_pages(self, live: _Live) -> int | None:
+        """A free slot whose shard has a page for the request's first token."""
+        return next((s for s in self._free_slots if self._pages.free_count(self._shard(s)) >= 1), None)
+
+    def _grow(self, live: _Live, n: int, plan: list[tuple[_Live, int]]) -> int:
+        """Allocate pages for n more tokens of `live`, preempting lower-priority running
+        requests (not yet in this step's plan) when pages run out; returns how many tokens
+        got pages (fewer than n, down to 0, when nothing more can be freed)."""
+        planned = {id(p) for p, _ in plan}
+        while True:
+            need = self._pages_for(live.committed + n) - len(live.pages)
+            shard = self._shard(live.slot)
+            free = self._pages.free_count(shard)
+            if need <= free:
+                live.pages += self._pages.take(shard, max(need, 0)) or []
+                return n
+            victims = [r for r in self._running if r is not live and id(r) not in planned
+                       and self._shard(r.slot) == shard and r.order > live.order]
+            if victims:
+                self._preempt(max(victims, key=lambda r: r.order))
+                continue
+            # Use what is free; a request that cannot place even one token waits its turn.
+            fit = (len(live.pages) + free) * self.geometry.page_tokens - live.committed
+            if fit > 0:
+                live.pages += self._pages.take(shard, free) or []
+                return min(n, fit)
+            if live.committed == 0 and not live.pages:
+                return 0  # just admitted and nothing free: it waits in its slot for a page
+            if sum(self._shard(r.slot) == shard for r in self._running) == 1:
+                # Alone on its shard yet out of pages: excluded by the check in __init__.
+                raise RuntimeError(f"request {live.req.request_id!r} alone cannot get a page")
+            self._preempt(live)  # everyone else here outranks it or is already in this step
+            return 0
+
+    def _preempt(self, live: _Live) -> None:
+        """Free a running request's slot and pages; it waits again and will recompute."""
+        self._running.remove(live)
+        self._release(live, keep_id=True)
+        live.committed, live.slot = 0, -1
+        live.preemptions += 1
+        self._preemptions += 1
+        self._enqueue(live)
+
+    def _release(self, live: _Live, keep_id: bool = False) -> None:
+        if live.slot >= 0:
+            self._free_slots.append(live.slot)
+            self._free_slots.sort()
+        self._pages.give_back(live.pages)
+        live.pages = []
+        if not keep_id:
+            self._ids.discard(live.req.request_id)
+
+    def _enqueue(self, live: _Live) -> None:
+        i = 0
+        while i < len(self._waiting) and self._waiting[i].order <= live.order:
+            i += 1
+        self._waiting.insert(i, live)
+
+    def _chunk(self, live: _Live, n: int) -> Chunk:
+        s = live.req.sampling
+        end = live.committed + n
+        return Chunk(slot=live.slot, start=live.committed, tokens=live.tokens[live.committed:end], pages=live.pages,
+                     outputs=[n - 1] if end == len(live.tokens) else [], temperature=s.temperature, seed=live.seed,
+                     top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
+
+    # ---- outputs -----------------------------------------------------------------------
+
+    def _stop_reason(self, live: _Live, token: int) -> FinishReason | None:
+        s = live.req.sampling
+        if token in s.stop_token_ids or (not s.ignore_eos and token in self.limits.eos_token_ids):
+            return FinishReason.STOP
+        if len(live.generated) >= s.max_tokens or len(live.tokens) >= self.limits.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    @staticmethod
+    def _logprob(result, row: int, token: int, n: int) -> TokenLogprob | None:
+        if n == 0 or getattr(result, "logprobs", None) is None:
+            return None
+        top = tuple((int(i), float(v)) for i, v in zip(result.top_ids[row][:n], result.top_logprobs[row][:n]))
+        return TokenLogprob(token, float(result.logprobs[row]), top)
+
+    def _final(self, live: _Live, new: list[int], logprobs: list[TokenLogprob] | None,
+               reason: FinishReason) -> RequestOutput:
+        now = self._clock()
+        usage = Usage(prompt_tokens=live.prompt_len, completion_tokens=len(live.generated), seed=live.seed,
+                      preemptions=live.preemptions,
+                      queue_s=(live.admitted_at if live.admitted_at is not None else now) - live.arrival,
+                      first_token_s=(live.first_token_at - live.arrival) if live.first_token_at is not None else 0.0,
+                      total_s=now - live.arrival)
+        return RequestOutput(live.req.request_id, new, logprobs, reason, usage)

@@ -1,0 +1,73 @@
+"""One request's text side: new token ids in, new text out, stop strings found.
+
+The engine works in tokens; stop strings need text. `TextStream` detokenises a request's
+generated tokens incrementally (`serving.tokenizer.IncrementalDetokenizer`: never broken
+UTF-8) and holds back the longest tail of the text that could still become a stop string, so
+no text after a stop string is ever sent. When a stop string appears, the text before it is
+released, the stream reports `stopped`, and the caller ends the request
+(`Engine.cancel(request_id, FinishReason.STOP)`). As in vLLM, the stop string itself is not
+part of the text, while the token that completed it stays in the token ids.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from serving.tokenizer import IncrementalDetokenizer, Tokenizer
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+
+
+def stop_string_problems(stop: Sequence[str]) -> list[str]:
+    """What is wrong with a request's stop strings (empty when they are fine)."""
+    bad = []
+    if len(stop) > MAX_STOP_STRINGS:
+        bad.append(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            bad.append(f"stop strings must be non-empty strings, got {s!r}")
+        elif len(s) > MAX_STOP_LENGTH:
+            bad.append(f"stop strings must be at most {MAX_STOP_LENGTH} characters, got one of {len(s)}")
+    return bad
+
+
+class TextStream:
+    """The text of one request's generated tokens, with stop strings. One thread uses it."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = (), *,
+                 skip_special_tokens: bool = True):
+        bad = stop_string_problems(stop)
+        if bad:
+            raise ValueError("; ".join(bad))
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
+        self._stop = tuple(stop)
+        self._held = ""  # decoded text not yet released (it could start a stop string)
+        self.stopped = False
+        self.text = ""  # everything released so far
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Text released by these tokens (possibly ''). After a stop string: '' forever."""
+        if self.stopped:
+            return ""
+        return self._release(self._held + self._detok.push(token_ids), final=False)
+
+    def finish(self) -> str:
+        """The held-back text, at the end of the request (no stop string came)."""
+        if self.stopped:
+            return ""
+        return self._release(self._held + self._detok.finish(), final=True)
+
+    def _release(self, text: str, final: bool) -> str:
+        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped, self._held = True, ""
+            out = text[:cut]
+        elif final or not self._stop:
+            self._held, out = "", text
+        else:
+            keep = max((k for s in self._stop for k in range(1, min(len(s), len(text) + 1))
+                        if text.endswith(s[:k])), default=0)
+            self._held, out = text[len(text) - keep:], text[:len(text) - keep]
+        self.text += out
+        return out

@@ -1,0 +1,63 @@
+"""ServingConfig: defaults < file (TOML / YAML) < flags; every bad value named."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from serving.config import ServingConfig, add_serving_flags, config_from_args
+
+
+def parse(argv):
+    p = argparse.ArgumentParser()
+    add_serving_flags(p)
+    return config_from_args(p.parse_args(argv))
+
+
+def test_defaults_are_valid_and_flags_override():
+    assert parse([]) == ServingConfig()
+    c = parse(["--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--mesh", "2x2", "--deployment", "tp_ep",
+               "--bucket-tokens", "16,512", "--max-req-tokens", "100", "--compilation-cache", ""])
+    assert (c.max_num_seqs, c.max_num_batched_tokens, c.mesh, c.deployment) == (16, 512, (2, 2), "tp_ep")
+    assert c.bucket_tokens == (16, 512) and c.max_req_tokens == 100 and c.compilation_cache is None
+
+
+@pytest.mark.parametrize("suffix, text", [
+    (".toml", 'model = "/m"\nmax_num_seqs = 4\nmax_num_batched_tokens = 64\nmesh = [2]\ndeployment = "tp"\n'),
+    (".yaml", "model: /m\nmax_num_seqs: 4\nmax_num_batched_tokens: 64\nmesh: [2]\ndeployment: tp\n"),
+])
+def test_files_and_flags_over_them(tmp_path, suffix, text):
+    path = tmp_path / f"serving{suffix}"
+    path.write_text(text)
+    c = ServingConfig.from_file(str(path))
+    assert (c.model, c.max_num_seqs, c.max_num_batched_tokens, c.mesh) == ("/m", 4, 64, (2,))
+    c = parse(["--config", str(path), "--max-num-seqs", "2"])
+    assert (c.model, c.max_num_seqs, c.max_num_batched_tokens) == ("/m", 2, 64)
+
+
+def test_file_errors_name_the_problem(tmp_path):
+    bad = tmp_path / "c.toml"
+    bad.write_text("max_num_seq = 4\n")
+    with pytest.raises(ValueError, match=r"unknown keys \['max_num_seq'\]"):
+        ServingConfig.from_file(str(bad))
+    with pytest.raises(ValueError, match=r"\.toml, \.yaml or \.yml"):
+        ServingConfig.from_file(str(tmp_path / "c.json"))
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(dtype="fp16"), "dtype must be"),
+    (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
+    (dict(max_num_seqs=8, max_num_batched_tokens=4), "must be >= max_num_seqs"),
+    (dict(memory_fraction=0.0), "memory_fraction"),
+    (dict(max_model_len=1), "max_model_len must be >= 2"),
+    (dict(max_req_tokens=10_000), "max_req_tokens must be in"),
+    (dict(max_waiting=0), "max_waiting"),
+    (dict(max_logprobs=-1), "max_logprobs"),
+    (dict(speculation="dspark"), "not available yet"),
+    (dict(deployment="tp"), "deployment and mesh go together"),
+    (dict(bucket_tokens=(16, 128)), "bucket_tokens must"),
+])
+def test_bad_values_are_named(kw, message):
+    with pytest.raises(ValueError, match=message):
+        ServingConfig(**kw)
