@@ -139,8 +139,11 @@ def config_from_args(args: argparse.Namespace) -> ServingConfig:
     return ServingConfig.from_mapping(values, args.config_file or "flags")
 
 
-def make_engine(model, config: ServingConfig, *, progress: Callable[[int, int, Any], None] | None = None):
-    """A warmed-up Engine for a loaded `dsv4.Model` (state sized by max_num_seqs and max_model_len)."""
+def make_engine(model, config: ServingConfig, *, eos_token_ids: tuple[int, ...] = (),
+                progress: Callable[[int, int, Any], None] | None = None):
+    """A warmed-up Engine for a loaded `dsv4.Model` (state sized by max_num_seqs and
+    max_model_len); generation stops at the model's EOS and at `eos_token_ids` (the
+    tokenizer's); `progress(i, n, bucket)` is called before each bucket compiles."""
     from dsv4.ops.registry import ops_for
     from dsv4.state import StateGeometry, default_page_tokens
     from dsv4.step import CompilePolicy, StepRunner, make_buckets
@@ -162,8 +165,38 @@ def make_engine(model, config: ServingConfig, *, progress: Callable[[int, int, A
     runner = StepRunner(model.graphdef, model.params, cfg, geometry, buckets, ops_for(model.backend),
                         policy=CompilePolicy.WARN, placement=model.placement, max_logprobs=config.max_logprobs)
     runner.warmup(progress)
-    limits = EngineLimits(vocab_size=cfg.vocab_size, eos_token_ids=(cfg.eos_token_id,),
+    eos = tuple(dict.fromkeys((cfg.eos_token_id, *eos_token_ids)))
+    limits = EngineLimits(vocab_size=cfg.vocab_size, eos_token_ids=eos,
                           max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
                           max_req_tokens=config.max_req_tokens, max_waiting=config.max_waiting,
                           max_logprobs=config.max_logprobs)
     return Engine(runner, limits, data_shards=shards)
+
+
+def load_model(config: ServingConfig):
+    """(dsv4.Model, tokenizer) for `config`: the embedded demo model when config.model is
+    "tiny" (written into demo_dir on first use), else the checkpoint directory; sharded over
+    the configured mesh; the persistent compilation cache turned on when configured."""
+    import jax
+
+    import dsv4
+    from dsv4 import sharding as sh
+    from dsv4.step import enable_compilation_cache
+    from serving.demo_model import ensure_demo_checkpoint
+    from serving.tokenizer import load_tokenizer
+
+    if config.compilation_cache:
+        enable_compilation_cache(config.compilation_cache)
+    path = ensure_demo_checkpoint(config.demo_dir) if config.model == DEMO_MODEL else config.model
+    dtype = config.dtype
+    if dtype == "auto":
+        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    placement = None
+    if config.deployment is not None:
+        deployment = sh.Deployment(config.deployment)
+        placement = sh.Placement(sh.make_mesh(deployment, config.mesh), deployment)
+    model = dsv4.load_pretrained(path, dtype=dtype, backend=config.backend, placement=placement)
+    cfg = model.config
+    tokenizer = load_tokenizer(path, vocab_size=cfg.vocab_size, bos_token_id=cfg.bos_token_id,
+                               eos_token_id=cfg.eos_token_id)
+    return model, tokenizer
