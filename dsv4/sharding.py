@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dsv4.ops.registry import OpSet
-from dsv4.state import DecodeState
+from dsv4.state import PAGE_MAJOR_FIELDS, DecodeState
 
 
 class MeshAxis(str, enum.Enum):
@@ -158,7 +158,7 @@ def state_specs(state: DecodeState, rules: Rules, mesh_shape: Mapping[str, int])
 
     def spec(path, x):
         field = next(k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey))
-        axis = PAGES if field in ("compressed", "index_keys") else SLOTS
+        axis = PAGES if field in PAGE_MAJOR_FIELDS else SLOTS
         return partition_spec((axis,) + (None,) * (x.ndim - 1), x.shape, rules, mesh_shape)
 
     return jax.tree_util.tree_map_with_path(spec, state)

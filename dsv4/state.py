@@ -296,6 +296,39 @@ def init_state(cfg: ModelConfig, geometry: StateGeometry) -> DecodeState:
     return tuple(init_layer_state(cfg, geometry, i) for i in range(cfg.num_hidden_layers))
 
 
+SLOT_MAJOR_FIELDS = ("window", "compressor", "index_compressor")  # rows grouped by slot
+PAGE_MAJOR_FIELDS = ("compressed", "index_keys")  # rows grouped by page
+
+
+def copy_slot(dst: DecodeState, dst_slot: jax.Array, dst_slots: int, src: DecodeState, src_slot: jax.Array,
+              src_slots: int) -> DecodeState:
+    """`dst` with slot `dst_slot`'s rows of every slot-major table (window ring, compressor
+    rings) replaced by slot `src_slot`'s rows of `src`; page-major pools untouched.
+
+    The two states may have different slot counts (a slot and a snapshot pool); rows per slot
+    are the same, and a slot's rows keep their ring order, so a copied ring is read exactly as
+    the original was. Slot indices may be traced (one compiled copy serves every slot)."""
+    layers = []
+    for d, s in zip(dst, src):
+        fresh = {}
+        for name in SLOT_MAJOR_FIELDS:
+            dv, sv = getattr(d, name), getattr(s, name)
+            if dv is None:
+                continue
+
+            def one(a: jax.Array, b: jax.Array) -> jax.Array:
+                rows = a.shape[0] // dst_slots
+                block = jax.lax.dynamic_slice_in_dim(b, src_slot * rows, rows, axis=0)
+                return jax.lax.dynamic_update_slice_in_dim(a, block, dst_slot * rows, axis=0)
+
+            if jax.tree_util.tree_map(lambda a: a.shape[0] // dst_slots, dv) != \
+                    jax.tree_util.tree_map(lambda b: b.shape[0] // src_slots, sv):
+                raise ValueError(f"{name}: rows per slot differ between the two states")
+            fresh[name] = jax.tree_util.tree_map(one, dv, sv)
+        layers.append(dataclasses.replace(d, **fresh))
+    return tuple(layers)
+
+
 def tree_bytes(tree) -> int:
     """Total bytes of the arrays (or ShapeDtypeStructs) in a pytree."""
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))

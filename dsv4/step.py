@@ -34,7 +34,7 @@ from dsv4.config import ModelConfig
 from dsv4.ops.registry import OpSet
 from dsv4.sampling import logprobs as token_logprobs, sample
 from dsv4.sharding import Placement
-from dsv4.state import DecodeState, StateGeometry, init_state
+from dsv4.state import DecodeState, StateGeometry, copy_slot, init_state
 
 
 @jax.tree_util.register_dataclass
@@ -146,11 +146,13 @@ class StepRunner:
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, config: ModelConfig, geometry: StateGeometry,
                  buckets: Sequence[Bucket], ops: OpSet, *, return_logits: bool = False,
                  policy: CompilePolicy = CompilePolicy.ERROR, placement: Placement | None = None,
-                 max_logprobs: int = 0):
+                 max_logprobs: int = 0, snapshot_slots: int = 0):
         """placement: run sharded on a mesh (params are placed onto their shards here, the
         state is allocated sharded, and `ops` run shard-locally where the mesh splits their
         weights: `Placement.shard_ops`); None runs on the default device.
-        max_logprobs: N > 0 returns logprobs and the top N per output row (`StepOutputs`)."""
+        max_logprobs: N > 0 returns logprobs and the top N per output row (`StepOutputs`).
+        snapshot_slots: N > 0 keeps a pool of N slot snapshots (each a copy of one slot's
+        window and compressor rings: `save_slot` / `restore_slot`, for the prefix cache)."""
         if not buckets:
             raise ValueError("StepRunner needs at least one bucket")
         if not 0 <= max_logprobs <= config.vocab_size:
@@ -176,6 +178,36 @@ class StepRunner:
         self._compiled: dict[Bucket, Callable] = {}
         self.recompilations = 0  # programs compiled after warm-up (a serving metric)
         self._warm = False
+        self.snapshot_slots = snapshot_slots
+        self.snapshots: DecodeState | None = None
+        if snapshot_slots:
+            if placement is not None and placement.mesh_shape.get("data", 1) > 1:
+                raise ValueError("slot snapshots are not supported with a data-parallel mesh")
+            snap_geometry = dataclasses.replace(geometry, num_slots=snapshot_slots, num_pages=1)
+            init_snaps = lambda: init_state(config, snap_geometry)  # noqa: E731
+            snap_sh = None if placement is None else placement.state_shardings(jax.eval_shape(init_snaps))
+            self.snapshots = jax.jit(init_snaps, out_shardings=snap_sh)()
+            n, m = geometry.num_slots, snapshot_slots
+            self._save = jax.jit(lambda snaps, state, slot, snap: copy_slot(snaps, snap, m, state, slot, n),
+                                 donate_argnums=(0,))
+            self._restore = jax.jit(lambda state, snaps, snap, slot: copy_slot(state, slot, n, snaps, snap, m),
+                                    donate_argnums=(0,))
+
+    def save_slot(self, slot: int, snapshot: int) -> None:
+        """Copy slot `slot`'s rings into snapshot `snapshot` (between steps)."""
+        self._check_snapshot(slot, snapshot)
+        self.snapshots = self._save(self.snapshots, self.state, np.int32(slot), np.int32(snapshot))
+
+    def restore_slot(self, snapshot: int, slot: int) -> None:
+        """Copy snapshot `snapshot` into slot `slot`'s rings (between steps)."""
+        self._check_snapshot(slot, snapshot)
+        self.state = self._restore(self.state, self.snapshots, np.int32(snapshot), np.int32(slot))
+
+    def _check_snapshot(self, slot: int, snapshot: int) -> None:
+        if not 0 <= snapshot < self.snapshot_slots:
+            raise ValueError(f"snapshot {snapshot} outside [0, {self.snapshot_slots})")
+        if not 0 <= slot < self.geometry.num_slots:
+            raise ValueError(f"slot {slot} outside [0, {self.geometry.num_slots})")
 
     def warmup(self, progress: Callable[[int, int, Bucket], None] | None = None) -> None:
         """Compile every bucket now; `progress(i, n, bucket)` is called before each compile."""

@@ -38,6 +38,8 @@ class ServingConfig:
     max_logprobs: int = 20  # the widest top-n logprobs a request may ask for
     speculation: str = "none"  # none | mtp | dspark
     bucket_tokens: tuple[int, ...] = ()  # step token sizes to compile; () = powers of two
+    enable_prefix_caching: bool = True  # share block-aligned prompt prefixes (off under data parallelism)
+    prefix_cache_snapshots: int = 0  # ring snapshots kept for the prefix cache; 0 = 4 x max_num_seqs
     compilation_cache: str | None = os.path.join(DEFAULT_CACHE, "xla")
 
     def __post_init__(self) -> None:
@@ -62,6 +64,8 @@ class ServingConfig:
             bad.append(f"max_req_tokens must be in [2, max_model_len={self.max_model_len}], got {self.max_req_tokens}")
         if self.max_waiting < 1:
             bad.append(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if self.prefix_cache_snapshots < 0:
+            bad.append(f"prefix_cache_snapshots must be >= 0 (0 = automatic), got {self.prefix_cache_snapshots}")
         if self.max_logprobs < 0:
             bad.append(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.speculation != "none":
@@ -110,6 +114,14 @@ def _sizes(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _bool(text: str) -> bool:
+    value = {"true": True, "on": True, "1": True, "yes": True, "false": False, "off": False, "0": False,
+             "no": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+    return value
+
+
 _FLAG_TYPES: dict[str, Callable[[str], Any]] = {"mesh": _sizes, "bucket_tokens": _sizes}
 
 
@@ -120,7 +132,8 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(ServingConfig):
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        kind = _FLAG_TYPES.get(f.name) or (type(default) if default is not None and not isinstance(default, str)
+        kind = _FLAG_TYPES.get(f.name) or (_bool if isinstance(default, bool) else
+                                           type(default) if default is not None and not isinstance(default, str)
                                            else (int if f.name == "max_req_tokens" else str))
         parser.add_argument(flag, dest=f.name, type=kind, default=None, help=f"(default: {default})")
 
@@ -162,15 +175,18 @@ def make_engine(model, config: ServingConfig, *, eos_token_ids: tuple[int, ...] 
                              dtype=model.params["embed"]["weight"][...].dtype)
     sizes = list(config.bucket_tokens) or None
     buckets = make_buckets(config.max_num_batched_tokens, slots, token_sizes=sizes)
+    caching = config.enable_prefix_caching and shards == 1
+    snapshots = (config.prefix_cache_snapshots or 4 * slots) if caching else 0
     runner = StepRunner(model.graphdef, model.params, cfg, geometry, buckets, ops_for(model.backend),
-                        policy=CompilePolicy.WARN, placement=model.placement, max_logprobs=config.max_logprobs)
+                        policy=CompilePolicy.WARN, placement=model.placement, max_logprobs=config.max_logprobs,
+                        snapshot_slots=snapshots)
     runner.warmup(progress)
     eos = tuple(dict.fromkeys((cfg.eos_token_id, *eos_token_ids)))
     limits = EngineLimits(vocab_size=cfg.vocab_size, eos_token_ids=eos,
                           max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
                           max_req_tokens=config.max_req_tokens, max_waiting=config.max_waiting,
                           max_logprobs=config.max_logprobs)
-    return Engine(runner, limits, data_shards=shards)
+    return Engine(runner, limits, data_shards=shards, prefix_cache=caching)
 
 
 def load_model(config: ServingConfig):

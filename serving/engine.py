@@ -20,6 +20,13 @@
   case.
 - Under data parallelism (`data_shards` > 1) slot s and page p live on data shard
   s * n // slots and p * n // pages, and a request takes pages from its slot's shard only.
+- Prefix cache (`prefix_cache=True`, one data shard): full blocks of committed tokens are
+  registered with `serving.prefix_cache.BlockManager`, and the rings are snapshotted after a
+  step that ends exactly on a block boundary (prefill chunks are cut to end on one when they
+  can). An admitted request takes the longest cached prefix that ends at a snapshot: its
+  pages are shared (reference-counted, never written: the request writes only positions
+  after the prefix), its rings are restored, and it computes from there. Finished requests'
+  blocks stay cached until a page is needed (LRU).
 
 Stop strings are a text-level matter (they need the tokenizer): the caller that detokenises
 calls `cancel(request_id, FinishReason.STOP)` when one appears. The engine is
@@ -28,7 +35,6 @@ single-threaded; a server drives it from one loop thread.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
 import math
@@ -39,6 +45,7 @@ import numpy as np
 
 from dsv4.batch import Bucket, Chunk
 from dsv4.state import StateGeometry
+from serving.prefix_cache import BlockManager
 
 
 class FinishReason(str, enum.Enum):
@@ -146,6 +153,9 @@ class EngineStats:
     tokens_scheduled: int  # tokens fed to the model since start
     tokens_generated: int
     preemptions: int
+    cached_pages: int  # pages held by the prefix cache (in use or evictable)
+    prefix_hits: int  # admissions that restored a cached prefix
+    prefix_hit_tokens: int  # prompt tokens those hits did not recompute
     host_ms_per_step: float  # mean time planning a step and handling its outputs
     run_ms_per_step: float  # mean time in the runner (packing, device, fetching outputs)
 
@@ -170,31 +180,6 @@ class EngineLimits:
     max_logprobs: int = 0  # the runner's top-n logprobs width (0: logprobs unsupported)
 
 
-class PagePool:
-    """Free pages per data shard. Page p belongs to shard p * shards // num_pages."""
-
-    def __init__(self, num_pages: int, shards: int = 1):
-        if num_pages % shards:
-            raise ValueError(f"{num_pages} pages do not split evenly over {shards} data shards")
-        self.num_pages, self.shards = num_pages, shards
-        per = num_pages // shards
-        self._free = [collections.deque(range(s * per, (s + 1) * per)) for s in range(shards)]
-
-    def free_count(self, shard: int | None = None) -> int:
-        return sum(len(f) for f in self._free) if shard is None else len(self._free[shard])
-
-    def take(self, shard: int, n: int) -> list[int] | None:
-        """n pages of `shard`, or None (and nothing taken) when it has fewer free."""
-        free = self._free[shard]
-        if len(free) < n:
-            return None
-        return [free.popleft() for _ in range(n)]
-
-    def give_back(self, pages: Iterable[int]) -> None:
-        for p in pages:
-            self._free[p * self.shards // self.num_pages].append(p)
-
-
 @dataclasses.dataclass
 class _Live:
     """A request inside the engine."""
@@ -210,6 +195,8 @@ class _Live:
     admitted_at: float | None = None
     first_token_at: float | None = None
     preemptions: int = 0
+    block_keys: list[bytes] = dataclasses.field(default_factory=list)  # keys of its full committed blocks
+    cached_prompt_tokens: int = 0  # prompt tokens restored from the prefix cache at first admission
 
     @property
     def generated(self) -> list[int]:
@@ -224,7 +211,10 @@ class Engine:
     """Continuous batching over a step runner. Single-threaded: call from one thread."""
 
     def __init__(self, runner: StepRunnerLike, limits: EngineLimits, *, data_shards: int = 1,
-                 clock: Callable[[], float] = time.monotonic, seed_source: Callable[[], int] | None = None):
+                 prefix_cache: bool = False, clock: Callable[[], float] = time.monotonic,
+                 seed_source: Callable[[], int] | None = None):
+        """prefix_cache: share the pages (and restore the rings) of block-aligned prompt
+        prefixes (`serving.prefix_cache`); needs a runner with snapshot slots and one data shard."""
         geo = runner.geometry
         if limits.max_num_batched_tokens > runner.buckets[-1].tokens:
             raise ValueError(f"max_num_batched_tokens {limits.max_num_batched_tokens} exceeds the largest bucket "
@@ -241,7 +231,11 @@ class Engine:
         self.data_shards = data_shards
         self._clock = clock
         self._seed_source = seed_source or (lambda: int(np.random.SeedSequence().generate_state(1)[0]))
-        self._pages = PagePool(geo.num_pages, data_shards)
+        snapshots = getattr(runner, "snapshot_slots", 0)
+        if prefix_cache and not snapshots:
+            raise ValueError("the prefix cache needs a runner with snapshot slots (StepRunner(snapshot_slots=N))")
+        self._pages = BlockManager(geo.num_pages, geo.page_tokens, shards=data_shards,
+                                   num_snapshots=snapshots if prefix_cache else 0)
         self._free_slots = list(range(geo.num_slots))
         self._waiting: list[_Live] = []  # kept sorted by (priority, arrival)
         self._running: list[_Live] = []
@@ -311,6 +305,8 @@ class Engine:
                            free_pages=self._pages.free_count(), total_pages=self.geometry.num_pages,
                            free_slots=len(self._free_slots), steps=self._steps, tokens_scheduled=self._tokens,
                            tokens_generated=self._generated, preemptions=self._preemptions,
+                           cached_pages=self._pages.cached_pages(), prefix_hits=self._pages.hits,
+                           prefix_hit_tokens=self._pages.hit_tokens,
                            host_ms_per_step=1e3 * self._host_s / n, run_ms_per_step=1e3 * self._run_s / n)
 
     def step(self) -> list[RequestOutput]:
@@ -331,6 +327,7 @@ class Engine:
         row = 0
         for (live, n), chunk in zip(plan, chunks):
             live.committed += n
+            self._cache_blocks(live)
             if not chunk.outputs:
                 continue
             token = int(result.tokens[row])
@@ -363,8 +360,7 @@ class Engine:
                 continue
             if budget <= 0 or len(plan) >= self._max_requests:
                 break
-            n = min(len(live.tokens) - live.committed, budget)
-            n = self._grow(live, n, plan)
+            n = self._grow(live, self._chunk_size(live, budget), plan)
             if n > 0:
                 plan.append((live, n))
                 budget -= n
@@ -377,14 +373,53 @@ class Engine:
             self._waiting.pop(0)
             self._free_slots.remove(slot)
             live.slot, live.committed = slot, 0
+            self._restore_prefix(live)
             if live.admitted_at is None:
                 live.admitted_at = self._clock()
             self._running.append(live)
-            n = self._grow(live, min(len(live.tokens), budget), plan)
+            n = self._grow(live, self._chunk_size(live, budget), plan)
             if n > 0:
                 plan.append((live, n))
                 budget -= n
         return plan
+
+    def _chunk_size(self, live: _Live, budget: int) -> int:
+        """Tokens to feed now: what is left, within the budget; with the prefix cache on, a
+        chunk that does not finish the tokens ends on a block boundary when it can, so that
+        its rings are snapshotted exactly there (cold and warm prefills share chunk ends)."""
+        n = min(len(live.tokens) - live.committed, budget)
+        end = live.committed + n
+        if self._pages.caching and end < len(live.tokens):
+            aligned = end // self.geometry.page_tokens * self.geometry.page_tokens
+            if aligned > live.committed:
+                n = aligned - live.committed
+        return n
+
+    def _restore_prefix(self, live: _Live) -> None:
+        """On admission: take the longest cached prefix (pages shared, rings restored)."""
+        pages, snapshot, n = self._pages.match(live.tokens)
+        if not n:
+            return
+        self.runner.restore_slot(snapshot, live.slot)
+        live.pages, live.committed = pages, n
+        live.block_keys = self._pages.keys(live.tokens, n // self.geometry.page_tokens)
+        if live.admitted_at is None:
+            live.cached_prompt_tokens = min(n, live.prompt_len)
+
+    def _cache_blocks(self, live: _Live) -> None:
+        """After a step: register the request's newly full blocks, and snapshot its rings when
+        the step ended exactly on a block boundary."""
+        if not self._pages.caching:
+            return
+        full = live.committed // self.geometry.page_tokens
+        if full > len(live.block_keys):
+            keys = self._pages.keys(live.tokens, full, live.block_keys)
+            self._pages.register(keys, live.tokens, live.pages, first=len(live.block_keys))
+            live.block_keys = keys
+        if full and live.committed % self.geometry.page_tokens == 0:
+            snapshot = self._pages.snapshot_for(live.block_keys[-1], live.pages[full - 1])
+            if snapshot is not None:
+                self.runner.save_slot(live.slot, snapshot)
 
     def _shard(self, slot: int) -> int:
         return slot * self.data_shards // self.geometry.num_slots
@@ -430,7 +465,7 @@ class Engine:
         """Free a running request's slot and pages; it waits again and will recompute."""
         self._running.remove(live)
         self._release(live, keep_id=True)
-        live.committed, live.slot = 0, -1
+        live.committed, live.slot, live.block_keys = 0, -1, []
         live.preemptions += 1
         self._preemptions += 1
         self._enqueue(live)
@@ -478,6 +513,7 @@ class Engine:
                reason: FinishReason) -> RequestOutput:
         now = self._clock()
         usage = Usage(prompt_tokens=live.prompt_len, completion_tokens=len(live.generated), seed=live.seed,
+                      cached_prompt_tokens=live.cached_prompt_tokens,
                       preemptions=live.preemptions,
                       queue_s=(live.admitted_at if live.admitted_at is not None else now) - live.arrival,
                       first_token_s=(live.first_token_at - live.arrival) if live.first_token_at is not None else 0.0,

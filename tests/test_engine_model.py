@@ -111,3 +111,31 @@ def test_logprobs_are_the_models_log_softmax(model, engine):
         best = np.argsort(-logp[row])[:3]
         assert [i for i, _ in lp.top] == best.tolist()
         np.testing.assert_allclose([v for _, v in lp.top], logp[row, best], rtol=1e-4, atol=1e-5)
+
+
+def _run_with_logprobs(engine: Engine, request: EngineRequest):
+    engine.submit(request)
+    tokens, lps, final = [], [], None
+    while engine.has_work():
+        for o in engine.step():
+            tokens += o.new_token_ids
+            lps += [(lp.logprob, lp.top) for lp in o.logprobs]
+            final = o if o.finished else final
+    return tokens, lps, final.usage
+
+
+def test_a_restored_prefix_gives_exactly_the_cold_prefill_logits(engine):
+    page = engine.geometry.page_tokens  # 16 for TINY; chunks of <= 32 tokens end on block boundaries
+    rng = np.random.default_rng(4)
+    shared = rng.integers(2, TINY.vocab_size, 40).tolist()
+    params = SamplingParams(max_tokens=6, logprobs=3, ignore_eos=True, temperature=0.7, seed=5)
+    cold = _run_with_logprobs(engine, EngineRequest("cold", tuple(shared + [7, 8, 9]), params))
+    assert cold[2].cached_prompt_tokens == 0
+    hits = engine.stats().prefix_hits
+    warm = _run_with_logprobs(engine, EngineRequest("warm", tuple(shared + [7, 8, 9]), params))
+    # Blocks [0, 32) ended a prefill chunk (snapshot at 32); block [32, 48) was never a chunk end.
+    assert warm[2].cached_prompt_tokens == 2 * page and engine.stats().prefix_hits == hits + 1
+    assert warm[0] == cold[0] and warm[1] == cold[1]  # tokens and logprobs, bit for bit
+    # A prompt that differs inside the first snapshotted span fails closed (recomputes).
+    other = _run_with_logprobs(engine, EngineRequest("other", tuple(shared[:20] + [3] * 23), params))
+    assert other[2].cached_prompt_tokens == 0

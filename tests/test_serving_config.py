@@ -18,9 +18,11 @@ def parse(argv):
 def test_defaults_are_valid_and_flags_override():
     assert parse([]) == ServingConfig()
     c = parse(["--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--mesh", "2x2", "--deployment", "tp_ep",
-               "--bucket-tokens", "16,512", "--max-req-tokens", "100", "--compilation-cache", ""])
+               "--bucket-tokens", "16,512", "--max-req-tokens", "100", "--compilation-cache", "",
+               "--enable-prefix-caching", "off"])
     assert (c.max_num_seqs, c.max_num_batched_tokens, c.mesh, c.deployment) == (16, 512, (2, 2), "tp_ep")
     assert c.bucket_tokens == (16, 512) and c.max_req_tokens == 100 and c.compilation_cache is None
+    assert c.enable_prefix_caching is False and parse(["--enable-prefix-caching", "true"]).enable_prefix_caching
 
 
 @pytest.mark.parametrize("suffix, text", [
@@ -54,6 +56,7 @@ def test_file_errors_name_the_problem(tmp_path):
     (dict(max_req_tokens=10_000), "max_req_tokens must be in"),
     (dict(max_waiting=0), "max_waiting"),
     (dict(max_logprobs=-1), "max_logprobs"),
+    (dict(prefix_cache_snapshots=-1), "prefix_cache_snapshots"),
     (dict(speculation="dspark"), "not available yet"),
     (dict(deployment="tp"), "deployment and mesh go together"),
     (dict(bucket_tokens=(16, 128)), "bucket_tokens must"),
