@@ -377,7 +377,7 @@ class Engine:
             if live.admitted_at is None:
                 live.admitted_at = self._clock()
             self._running.append(live)
-            n = self._grow(live, self._chunk_size(live, budget), plan)
+            n = self._grow(live, self._chunk_size(live, budget), plan, admitting=True)
             if n > 0:
                 plan.append((live, n))
                 budget -= n
@@ -431,10 +431,11 @@ class Engine:
         """A free slot whose shard has a page for the request's first token."""
         return next((s for s in self._free_slots if self._pages.free_count(self._shard(s)) >= 1), None)
 
-    def _grow(self, live: _Live, n: int, plan: list[tuple[_Live, int]]) -> int:
+    def _grow(self, live: _Live, n: int, plan: list[tuple[_Live, int]], admitting: bool = False) -> int:
         """Allocate pages for n more tokens of `live`, preempting lower-priority running
         requests (not yet in this step's plan) when pages run out; returns how many tokens
-        got pages (fewer than n, down to 0, when nothing more can be freed)."""
+        got pages (fewer than n, down to 0, when nothing more can be freed). A request being
+        admitted that gets no page keeps its slot and waits for one (never preempts itself)."""
         planned = {id(p) for p, _ in plan}
         while True:
             need = self._pages_for(live.committed + n) - len(live.pages)
@@ -453,7 +454,7 @@ class Engine:
             if fit > 0:
                 live.pages += self._pages.take(shard, free) or []
                 return min(n, fit)
-            if live.committed == 0 and not live.pages:
+            if admitting:
                 return 0  # just admitted and nothing free: it waits in its slot for a page
             if sum(self._shard(r.slot) == shard for r in self._running) == 1:
                 # Alone on its shard yet out of pages: excluded by the check in __init__.
