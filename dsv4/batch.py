@@ -53,6 +53,10 @@ class StepBatch:
     out_top_p [O] (f32): top-p filter per output row; 1 = off (and in padding).
     out_min_p [O] (f32): min-p filter per output row; 0 = off (and in padding).
     tap_rows [Ot]: token rows whose per-layer hidden taps are returned; -1 for none.
+    from_last [T]: 1 where the row's token is its slot's last sampled token, read on the
+        device from `last_tokens` (the host has not seen it yet: `Chunk.token_from_last`).
+    last_tokens [S]: every slot's last sampled token (`StepOutputs.last_tokens` of the step
+        before, left on the device; zeros from `pack_batch`).
     """
 
     tokens: jax.Array
@@ -69,6 +73,8 @@ class StepBatch:
     out_top_p: jax.Array
     out_min_p: jax.Array
     tap_rows: jax.Array
+    from_last: jax.Array
+    last_tokens: jax.Array
 
     @property
     def bucket(self) -> Bucket:
@@ -84,8 +90,10 @@ class Chunk:
     outputs: offsets into `tokens` whose next-token distributions are wanted;
     temperature / seed: how those are sampled (temperature 0 = greedy, which ignores the filters);
     taps: offsets into `tokens` whose hidden taps are wanted;
-    top_k / top_p / min_p: sampling filters (0 / 1.0 / 0.0 = off; `dsv4.sampling.sample`).
-    The filters come last so positional construction of the older fields keeps working.
+    top_k / top_p / min_p: sampling filters (0 / 1.0 / 0.0 = off; `dsv4.sampling.sample`);
+    token_from_last: tokens[0] stands for the token the slot's previous step sampled, which the
+        device substitutes (so the host can pack step n+1 before it has read step n's tokens).
+    The later fields come last so positional construction of the older ones keeps working.
     """
 
     slot: int
@@ -99,6 +107,7 @@ class Chunk:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    token_from_last: bool = False  # tokens[0] is a placeholder for the slot's last sampled token
 
 
 def pack_batch(chunks: Sequence[Chunk], bucket: Bucket, geometry: StateGeometry) -> StepBatch:
@@ -121,7 +130,8 @@ def pack_batch(chunks: Sequence[Chunk], bucket: Bucket, geometry: StateGeometry)
         page_table=np.full((r_cap, p_cap), -1, np.int32), out_rows=np.full(o_cap, -1, np.int32),
         out_temperature=np.zeros(o_cap, np.float32), out_seed=np.zeros(o_cap, np.uint32),
         out_top_k=np.zeros(o_cap, np.int32), out_top_p=np.ones(o_cap, np.float32),
-        out_min_p=np.zeros(o_cap, np.float32), tap_rows=np.full(tap_cap, -1, np.int32))
+        out_min_p=np.zeros(o_cap, np.float32), tap_rows=np.full(tap_cap, -1, np.int32),
+        from_last=np.zeros(t_cap, np.int32), last_tokens=np.zeros(geometry.num_slots, np.int32))
     row = out = tap = 0
     for i, c in enumerate(chunks):
         _check_chunk(c, geometry)
@@ -130,6 +140,7 @@ def pack_batch(chunks: Sequence[Chunk], bucket: Bucket, geometry: StateGeometry)
         b["token_req"][row:row + n] = i
         b["req_slot"][i], b["req_start"][i], b["req_first_row"][i], b["req_num_tokens"][i] = c.slot, c.start, row, n
         b["page_table"][i, :len(c.pages)] = c.pages
+        b["from_last"][row] = int(c.token_from_last)
         for k in c.outputs:
             b["out_rows"][out], b["out_temperature"][out], b["out_seed"][out] = row + k, c.temperature, c.seed
             # top_k >= V is off anyway; clipping keeps a huge k from overflowing int32.

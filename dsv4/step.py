@@ -54,6 +54,7 @@ class StepOutputs:
     tokens: jax.Array
     logits: jax.Array | None
     taps: jax.Array
+    last_tokens: jax.Array | None = None  # [S]: batch.last_tokens with each request's last output row's token
     logprobs: jax.Array | None = None
     top_ids: jax.Array | None = None
     top_logprobs: jax.Array | None = None
@@ -72,18 +73,27 @@ def make_step(graphdef: nnx.GraphDef, geometry: StateGeometry, ops: OpSet, *, re
 
     def step(params: nnx.State, state: DecodeState, batch: StepBatch) -> tuple[DecodeState, StepOutputs]:
         model = nnx.merge(graphdef, params)
-        state, logits, taps = model.step(state, batch, geometry, ops)
         r = batch.req_slot.shape[0]
+        row_slot = batch.req_slot[jnp.clip(batch.token_req, 0, r - 1)]
+        batch = dataclasses.replace(batch, tokens=jnp.where(
+            batch.from_last > 0, batch.last_tokens[jnp.clip(row_slot, 0, batch.last_tokens.shape[0] - 1)],
+            batch.tokens))
+        state, logits, taps = model.step(state, batch, geometry, ops)
         rows = jnp.clip(batch.out_rows, 0, batch.tokens.shape[0] - 1)
         req = jnp.clip(batch.token_req[rows], 0, r - 1)
         next_pos = batch.req_start[req] + rows - batch.req_first_row[req] + 1
         tokens = sample(logits, batch.out_temperature, batch.out_top_k, batch.out_top_p, batch.out_min_p,
                         batch.out_seed, next_pos)
+        # Each request's last output row sets its slot's last token; other rows write nowhere.
+        valid = (batch.out_rows >= 0) & (batch.token_req[rows] < r)
+        last_of_req = valid & ~(jnp.roll(valid, -1) & (jnp.roll(req, -1) == req)).at[-1].set(False)
+        slot = jnp.where(last_of_req, batch.req_slot[req], batch.last_tokens.shape[0])
+        last_tokens = batch.last_tokens.at[slot].set(tokens, mode="drop")
         token_lp = top_ids = top_lp = None
         if max_logprobs:
             token_lp, top_ids, top_lp = token_logprobs(logits, tokens, max_logprobs)
         return state, StepOutputs(tokens=tokens, logits=logits if return_logits else None, taps=taps,
-                                  logprobs=token_lp, top_ids=top_ids, top_logprobs=top_lp)
+                                  last_tokens=last_tokens, logprobs=token_lp, top_ids=top_ids, top_logprobs=top_lp)
 
     return step
 
@@ -175,6 +185,8 @@ class StepRunner:
             self._step = jax.jit(step, donate_argnums=(1,),
                                  in_shardings=(placement.param_shardings(params), state_sh, rep),
                                  out_shardings=(state_sh, rep))
+        self._last_tokens = jax.device_put(np.zeros(geometry.num_slots, np.int32),
+                                           None if placement is None else placement.replicated())
         self._compiled: dict[Bucket, Callable] = {}
         self.recompilations = 0  # programs compiled after warm-up (a serving metric)
         self._warm = False
@@ -245,6 +257,12 @@ class StepRunner:
 
         ValueError for token ids outside the vocabulary or chunks that do not fit (before
         anything runs, so the state is untouched)."""
+        return self.collect(self.dispatch(chunks))
+
+    def dispatch(self, chunks: Sequence[Chunk]) -> StepOutputs:
+        """Launch one step and return at once: its outputs stay on the device (`collect` fetches
+        them) while the host prepares the next step, whose chunks may refer to this step's
+        sampled tokens (`Chunk.token_from_last`). Same checks as `run`."""
         v = self.config.vocab_size
         for c in chunks:
             ids = np.asarray(c.tokens)
@@ -253,10 +271,18 @@ class StepRunner:
                 raise ValueError(f"slot {c.slot}: token id {int(bad[0])} is outside the vocabulary [0, {v})")
         bucket = self.bucket_for(sum(len(c.tokens) for c in chunks), len(chunks),
                                  sum(len(c.outputs) for c in chunks), sum(len(c.taps) for c in chunks))
-        return self.run_batch(pack_batch(chunks, bucket, self.geometry))
+        return self._launch(pack_batch(chunks, bucket, self.geometry))
+
+    @staticmethod
+    def collect(outputs: StepOutputs) -> StepOutputs:
+        """A dispatched step's outputs on the host (numpy); waits for the device."""
+        return jax.device_get(outputs)
 
     def run_batch(self, batch: StepBatch) -> StepOutputs:
         """Run one step over an already packed batch; returns the outputs on the host (numpy)."""
+        return self.collect(self._launch(batch))
+
+    def _launch(self, batch: StepBatch) -> StepOutputs:
         bucket = batch.bucket
         program = self._compiled.get(bucket)
         if program is None:
@@ -268,5 +294,8 @@ class StepRunner:
                 warnings.warn(f"compiling step bucket {bucket} after warm-up (recompilation "
                               f"#{self.recompilations})", RuntimeWarning, stacklevel=2)
             program = self._compile(bucket)
+        # Every slot's last sampled token stays on the device from step to step.
+        batch = dataclasses.replace(batch, last_tokens=self._last_tokens)
         self.state, outputs = program(self.params, self.state, batch)
-        return jax.device_get(outputs)
+        self._last_tokens = outputs.last_tokens
+        return outputs

@@ -1,7 +1,8 @@
 """The serving engine: requests in, token events out, over the one step function.
 
 `Engine` is a typed interface (`submit`, `step`, `cancel`, `stats`) around a `StepRunner`
-(or anything with its `run` / `geometry` / `buckets`), with a continuous-batching scheduler:
+(or anything with its `dispatch` / `collect` / `geometry` / `buckets`), with a
+continuous-batching scheduler:
 
 - Every step has a token budget (`max_num_batched_tokens`). Running requests that are
   decoding get one token each first; then running prefills continue in chunks; then waiting
@@ -18,6 +19,9 @@
   state). A step feeds tokens[committed : committed + n]; when that reaches the end of
   `tokens` the last row's next token is sampled. Prefill, decode and recompute are the same
   case.
+- Host and device overlap: `step()` plans and launches step n+1, then collects step n,
+  so the host's planning, packing and output handling run while the device computes. A
+  token still on the device is fed to the next step by reference (`Chunk.token_from_last`).
 - Under data parallelism (`data_shards` > 1) slot s and page p live on data shard
   s * n // slots and p * n // pages, and a request takes pages from its slot's shard only.
 - Prefix cache (`prefix_cache=True`, one data shard): full blocks of committed tokens are
@@ -164,7 +168,9 @@ class StepRunnerLike(Protocol):
     geometry: StateGeometry
     buckets: tuple[Bucket, ...]
 
-    def run(self, chunks: Sequence[Chunk]): ...
+    def dispatch(self, chunks: Sequence[Chunk]): ...  # launch a step; outputs stay on the device
+
+    def collect(self, outputs): ...  # wait for them; host arrays with .tokens (and logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,12 +201,18 @@ class _Live:
     admitted_at: float | None = None
     first_token_at: float | None = None
     preemptions: int = 0
+    pending: int = 0  # tokens launched steps are sampling for it (not yet in `tokens`): 0, 1 or 2
     block_keys: list[bytes] = dataclasses.field(default_factory=list)  # keys of its full committed blocks
     cached_prompt_tokens: int = 0  # prompt tokens restored from the prefix cache at first admission
 
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len:]
+
+    @property
+    def length(self) -> int:
+        """Tokens including the one being sampled on the device."""
+        return len(self.tokens) + self.pending
 
     @property
     def order(self) -> tuple[int, float]:
@@ -241,6 +253,7 @@ class Engine:
         self._running: list[_Live] = []
         self._ids: set[str] = set()
         self._aborted: list[RequestOutput] = []
+        self._inflight = None  # (device outputs, [(request, slot, has output row)]) of the launched step
         self._max_requests = min(geo.num_slots, runner.buckets[-1].requests)
         self._steps = self._tokens = self._generated = self._preemptions = 0
         self._host_s = self._run_s = 0.0
@@ -297,7 +310,7 @@ class Engine:
         return False
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._aborted)
+        return bool(self._waiting or self._running or self._aborted or self._inflight)
 
     def stats(self) -> EngineStats:
         n = max(self._steps, 1)
@@ -310,29 +323,53 @@ class Engine:
                            host_ms_per_step=1e3 * self._host_s / n, run_ms_per_step=1e3 * self._run_s / n)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; the outputs of every request that advanced or ended."""
+        """Launch the next step and return the outputs of the one before (every request that
+        advanced or ended). The host plans and packs step n+1 while the device runs step n:
+        a request whose step-n token is still on the device decodes it in step n+1 all the
+        same (`Chunk.token_from_last`). A request that step n stops (a stop token) has one
+        wasted token computed in step n+1, which is dropped; stopping by length is known in
+        advance and wastes nothing."""
         outputs, self._aborted = self._aborted, []
         t0 = time.perf_counter()
         plan = self._schedule()
-        if not plan:
-            self._host_s += time.perf_counter() - t0
-            return outputs
-        chunks = [self._chunk(live, n) for live, n in plan]
+        launched = None
+        if plan:
+            chunks = [self._chunk(live, n) for live, n in plan]
+            launched = (self.runner.dispatch(chunks), [(live, live.slot, bool(c.outputs)) for (live, _), c
+                                                       in zip(plan, chunks)])
+            for (live, n), c in zip(plan, chunks):
+                live.committed += n
+                live.pending += bool(c.outputs)
+            self._steps += 1
+            self._tokens += sum(n for _, n in plan)
         t1 = time.perf_counter()
-        result = self.runner.run(chunks)
-        t2 = time.perf_counter()
-        self._steps += 1
-        self._tokens += sum(n for _, n in plan)
-        now = self._clock()
-        row = 0
-        for (live, n), chunk in zip(plan, chunks):
-            live.committed += n
-            self._cache_blocks(live)
-            if not chunk.outputs:
+        if self._inflight is not None:
+            result = self.runner.collect(self._inflight[0])
+            t2 = time.perf_counter()
+            outputs += self._finish_step(result, self._inflight[1])
+        else:
+            t2 = t1
+        self._inflight = launched
+        for live, n in plan:  # after step n was launched and before step n+1 is
+            if live in self._running:
+                self._cache_blocks(live)
+        self._host_s += (t1 - t0) + (time.perf_counter() - t2)
+        self._run_s += t2 - t1
+        return outputs
+
+    def _finish_step(self, result, rows: list[tuple[_Live, int, bool]]) -> list[RequestOutput]:
+        """Hand out a collected step's tokens; requests cancelled since it was launched, and
+        rows of requests that had already stopped, are skipped."""
+        outputs, now, row = [], self._clock(), 0
+        for live, slot, has_output in rows:
+            if not has_output:
                 continue
             token = int(result.tokens[row])
             lp = self._logprob(result, row, token, live.req.sampling.logprobs)
             row += 1
+            if not live.pending or not (live in self._running or live in self._waiting):
+                continue  # cancelled, or its wasted token after a stop
+            live.pending -= 1
             live.tokens.append(token)
             self._generated += 1
             if live.first_token_at is None:
@@ -340,12 +377,10 @@ class Engine:
             reason = self._stop_reason(live, token)
             if reason is None:
                 outputs.append(RequestOutput(live.req.request_id, [token], None if lp is None else [lp]))
-            else:
-                self._running.remove(live)
-                self._release(live)
-                outputs.append(self._final(live, [token], None if lp is None else [lp], reason))
-        self._host_s += (t1 - t0) + (time.perf_counter() - t2)
-        self._run_s += t2 - t1
+                continue
+            (self._running if live in self._running else self._waiting).remove(live)
+            self._release(live)
+            outputs.append(self._final(live, [token], None if lp is None else [lp], reason))
         return outputs
 
     # ---- scheduling --------------------------------------------------------------------
@@ -355,9 +390,11 @@ class Engine:
         budget = self.limits.max_num_batched_tokens
         plan: list[tuple[_Live, int]] = []
         # Decoding requests first (one token each), oldest first; then running prefills.
-        for live in sorted(self._running, key=lambda r: (len(r.tokens) - r.committed > 1, r.order)):
+        for live in sorted(self._running, key=lambda r: (r.length - r.committed > 1, r.order)):
             if live not in self._running:  # preempted while making room for an earlier one
                 continue
+            if live.pending and self._ends_by_length(live):
+                continue  # its token on the device is its last: nothing more to run
             if budget <= 0 or len(plan) >= self._max_requests:
                 break
             n = self._grow(live, self._chunk_size(live, budget), plan)
@@ -367,6 +404,8 @@ class Engine:
         # Then admit waiting requests while a slot, pages and budget last.
         while self._waiting and budget > 0 and len(plan) < self._max_requests and self._free_slots:
             live = self._waiting[0]
+            if live.pending:
+                break  # preempted with a token still on the device: readmit once it has arrived
             slot = self._slot_with_pages(live)
             if slot is None:
                 break
@@ -387,9 +426,9 @@ class Engine:
         """Tokens to feed now: what is left, within the budget; with the prefix cache on, a
         chunk that does not finish the tokens ends on a block boundary when it can, so that
         its rings are snapshotted exactly there (cold and warm prefills share chunk ends)."""
-        n = min(len(live.tokens) - live.committed, budget)
+        n = min(live.length - live.committed, budget)
         end = live.committed + n
-        if self._pages.caching and end < len(live.tokens):
+        if self._pages.caching and end < live.length:
             aligned = end // self.geometry.page_tokens * self.geometry.page_tokens
             if aligned > live.committed:
                 n = aligned - live.committed
@@ -489,11 +528,20 @@ class Engine:
     def _chunk(self, live: _Live, n: int) -> Chunk:
         s = live.req.sampling
         end = live.committed + n
-        return Chunk(slot=live.slot, start=live.committed, tokens=live.tokens[live.committed:end], pages=live.pages,
-                     outputs=[n - 1] if end == len(live.tokens) else [], temperature=s.temperature, seed=live.seed,
-                     top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
+        # A pending token is the only one left (everything before it is committed): it goes
+        # in as a placeholder that the device replaces with the slot's last sampled token.
+        from_last = live.committed == len(live.tokens)
+        tokens = [0] if from_last else live.tokens[live.committed:end]
+        return Chunk(slot=live.slot, start=live.committed, tokens=tokens, pages=live.pages,
+                     outputs=[n - 1] if end == live.length else [], temperature=s.temperature, seed=live.seed,
+                     top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, token_from_last=from_last)
 
     # ---- outputs -----------------------------------------------------------------------
+
+    def _ends_by_length(self, live: _Live) -> bool:
+        """Whether the pending token will end the request whatever its value."""
+        return (len(live.generated) + live.pending >= live.req.sampling.max_tokens
+                or live.length >= self.limits.max_model_len)
 
     def _stop_reason(self, live: _Live, token: int) -> FinishReason | None:
         s = live.req.sampling

@@ -10,6 +10,7 @@ step, and a slot whose page was given to another never continues without restart
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import numpy as np
@@ -44,9 +45,15 @@ class MockRunner:
         self.length: dict[int, int] = {}  # slot -> committed positions
         self.owner: dict[int, int] = {}  # page -> slot
         self.steps: list[list] = []
+        self.last: dict[int, int] = {}  # slot -> its last sampled token (what token_from_last reads)
         self.logprobs = logprobs
 
-    def run(self, chunks):
+    def collect(self, outputs):
+        return outputs
+
+    def dispatch(self, chunks):
+        chunks = [dataclasses.replace(c, tokens=[self.last[c.slot]] + list(c.tokens[1:])) if c.token_from_last else c
+                  for c in chunks]
         self.steps.append(list(chunks))
         assert len(chunks) <= self.buckets[0].requests and sum(len(c.tokens) for c in chunks) <= self.buckets[0].tokens
         out = []
@@ -67,6 +74,7 @@ class MockRunner:
             self.length[c.slot] = end
             for k in c.outputs:
                 out.append(next_token(c.tokens[k], c.start + k))
+                self.last[c.slot] = out[-1]
         tokens = np.asarray(out, np.int32)
         if not self.logprobs:
             return types.SimpleNamespace(tokens=tokens, logprobs=None)
@@ -134,7 +142,9 @@ def test_decoding_requests_get_a_token_every_step_and_prefill_is_chunked():
         step = runner.steps[-1]
         assert [c for c in step if c.slot == 0 and len(c.tokens) == 1], "the decoding request skipped a step"
         sizes.append(sum(len(c.tokens) for c in step if c.slot != 0))
-    assert sizes == [7, 7, 7, 7, 2]  # 30 prompt tokens in chunks of what the budget leaves
+    # 30 prompt tokens in chunks of what the budget leaves; its first token comes out with the
+    # step after (outputs are collected one step late, while the next step runs).
+    assert sizes == [7, 7, 7, 7, 2, 1]
     got, _ = drain(engine)
     assert long_tokens + got["long"] == expected(tuple(range(2, 32)), 2)
 
@@ -180,7 +190,7 @@ def test_cancel_frees_slot_and_pages_at_once_and_ends_the_stream():
     outs = engine.step()
     aborted = [o for o in outs if o.request_id == "a"]
     assert len(aborted) == 1 and aborted[0].finish_reason is FinishReason.ABORT and aborted[0].new_token_ids == []
-    assert aborted[0].usage.completion_tokens == 2
+    assert aborted[0].usage.completion_tokens == 1  # the second step's token was still on the device
     engine.submit(EngineRequest("a", (9,), SamplingParams(max_tokens=1)))  # the id is free again
     got, _ = drain(engine)
     assert got["a"] == expected((9,), 1)
@@ -195,7 +205,7 @@ def test_a_waiting_request_can_be_cancelled():
     assert engine.cancel("wait")
     got, final = drain(engine)
     assert final["wait"].finish_reason is FinishReason.ABORT and final["wait"].usage.completion_tokens == 0
-    assert first[0].new_token_ids + got["run"] == expected((3,), 5)
+    assert [t for o in first for t in o.new_token_ids] + got["run"] == expected((3,), 5)
 
 
 def test_stop_tokens_eos_and_ignore_eos():
@@ -299,3 +309,21 @@ def test_engine_refuses_limits_the_state_cannot_hold():
         Engine(runner, limits(runner, max_num_batched_tokens=17))
     with pytest.raises(ValueError, match="exceeds the state's 32 positions"):
         Engine(runner, limits(runner, max_model_len=33))
+
+
+def test_overlap_wastes_one_step_only_on_a_stop_token_and_never_reports_it():
+    """Step n+1 is launched before step n's tokens are read: a length limit is foreseen (no
+    extra step), a stop token is not (one extra decode row, whose token is dropped)."""
+    runner = MockRunner()
+    want = expected((3,), 6)
+    engine = Engine(runner, limits(runner))
+    engine.submit(EngineRequest("length", (3,), SamplingParams(max_tokens=3)))
+    engine.submit(EngineRequest("stop", (3,), SamplingParams(max_tokens=6, stop_token_ids=(want[1],))))
+    got, final = drain(engine)
+    assert got == {"length": want[:3], "stop": want[:2]}
+    fed = {name: sum(len(c.tokens) for step in runner.steps for c in step if c.seed == engine_seed)
+           for name, engine_seed in (("length", final["length"].usage.seed), ("stop", final["stop"].usage.seed))}
+    assert fed == {"length": 1 + 2, "stop": 1 + 2}  # "stop": prompt, its first token, and the wasted one
+    assert engine.stats().tokens_generated == 5
+    decoded = [c for step in runner.steps for c in step if c.token_from_last]
+    assert decoded and all(len(c.tokens) == 1 for c in decoded)
