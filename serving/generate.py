@@ -1,80 +1,593 @@
-"""Offline generation: `python -m serving.generate [--model DIR] --prompt TEXT ...`.
+"""Offline batch generation on the serving engine.
 
-Without --model it runs the embedded demo model (random TINY weights, byte tokenizer).
-All prompts are decoded together by `dsv4.Model.generate`: continuous batching on the one
-step function (chunked prefill, one decode token per running request per step) over the
-paged decode state; greedy or seeded temperature sampling, stopping at EOS.
+    python -m serving.generate --model DIR --input prompts.jsonl --output out.jsonl [sampling flags]
+    python -m serving.generate [--prompt TEXT ...]     # results as JSON lines on stdout
+
+Without --model it runs the embedded demo model ("tiny": random weights written in the
+official checkpoint format on first use, byte tokenizer; its text is noise), on a small
+engine (DEMO_SERVING) unless --max-num-seqs, --max-num-batched-tokens or --bucket-tokens
+say otherwise. Every `ServingConfig` field is a flag (--max-model-len, ...; --config FILE).
+
+Input: one JSON object a line (blank lines are skipped), with an "id" (string or integer)
+and exactly one of "prompt" (text, encoded with the tokenizer's BOS), "token_ids" (a list
+of ints) or "messages" ([{"role", "content"}], rendered with the tokenizer's chat
+template), plus optional sampling fields that override the flags: temperature, top_p,
+top_k, min_p, seed, max_tokens, stop (a string or a list), stop_token_ids, ignore_eos,
+logprobs (top-n per generated token). A request with no seed samples with
+derive_seed(--seed, crc32 of its JSON id) when --seed is given, else with a drawn seed; the
+seed used is in its usage either way, so any line can be reproduced alone.
+
+Output: one JSON line per request, written and flushed the moment it finishes:
+{"id", "text", "token_ids", "finish_reason" (stop | length | abort), "usage": {
+prompt_tokens, completion_tokens, cached_prompt_tokens, draft_tokens,
+accepted_draft_tokens, seed, timings: {queue_s, first_token_s, total_s}}}, plus "logprobs"
+([{"token_id", "logprob", "top": [[id, logprob], ...]}]) when asked. A stop string ends the
+text before it (finish_reason "stop"); token_ids keep the token that completed it. A line
+that cannot run is reported on stderr and written as {"id" (when known), "line": N,
+"error": "..."}; the run goes on.
+
+Resuming: with an existing --output, ids that already have a result there are skipped and
+those lines kept byte for byte; a last line cut short by a crash is dropped and redone;
+error records are dropped and their lines read again (so fixing a bad line and rerunning
+fills it in). Exit status: 0 when every line ran, 1 when some failed, 2 for usage errors
+(bad flags, unreadable model, input or output), 130 when interrupted.
+
+Lifecycle: flags -> ServingConfig and default sampling; the model, tokenizer and a
+warmed-up engine; then one loop on this thread reads input lines lazily, keeps at most
+2 x max_num_seqs requests in the engine, steps it, turns each request's new tokens into
+text (`serving.text.TextStream`, which finds stop strings; the loop then cancels the request
+with FinishReason.STOP), and writes each record as its request finishes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 import time
+import zlib
+from typing import IO, Any, Iterable, Iterator, Mapping
 
-from serving.demo_model import ensure_demo_checkpoint
-from serving.tokenizer import ByteTokenizer
+from dsv4.generation import derive_seed
+from serving.config import DEMO_MODEL, ServingConfig, add_serving_flags, config_from_args, read_config_file
+from serving.engine import Engine, EngineRequest, FinishReason, QueueFullError, RequestOutput, SamplingParams
+from serving.text import TextStream, stop_string_problems
+from serving.tokenizer import Tokenizer
+
+DEFAULT_PROMPT = "Hello, DeepSeek-V4!"
+# The demo model's engine when neither flags nor --config size it: 3 step programs to
+# compile (about 30 s on a 2-core CPU) instead of the default bucket set's 30.
+DEMO_SERVING = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "bucket_tokens": (64,)}
+PROMPT_KEYS = ("prompt", "token_ids", "messages")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids",
+                 "ignore_eos", "logprobs")
+EXIT_OK, EXIT_FAILED_LINES, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m serving.generate", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="checkpoint directory (official format); default: the demo model")
-    p.add_argument("--demo-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dsv4-jax", "tiny-demo"),
-                   help="where the demo checkpoint is written (default: %(default)s)")
-    p.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per prompt (default 16)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded concurrently (default 8)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens per step (default 256)")
-    p.add_argument("--compilation-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dsv4-jax", "xla"),
-                   help="persistent XLA compilation cache directory ('' disables; default: %(default)s)")
-    args = p.parse_args(argv)
-    if args.max_num_seqs < 1 or args.max_num_batched_tokens < args.max_num_seqs:
-        p.error("need --max-num-seqs >= 1 and --max-num-batched-tokens >= --max-num-seqs")
-    if args.max_new_tokens < 1:
-        p.error("--max-new-tokens must be >= 1")
-    if args.temperature < 0:
-        p.error("--temperature must be >= 0")
-    return args
+class UsageError(Exception):
+    """Bad flags, an unreadable model, input or output: the run does not start (exit 2)."""
+
+
+# ---- input lines -> jobs -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One input line, ready to submit."""
+
+    line: int
+    id: str | int
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """One input line that cannot run."""
+
+    line: int
+    error: str
+    id: str | int | None = None  # None: not known (the line has no valid id)
+
+    def record(self) -> dict[str, Any]:
+        return ({} if self.id is None else {"id": self.id}) | {"line": self.line, "error": self.error}
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return _is_int(v) or isinstance(v, float)
+
+
+def _is_int_list(v: object) -> bool:
+    return isinstance(v, list) and all(_is_int(x) for x in v)
+
+
+# name -> (accepts, what it must be, conversion)
+_FIELDS = {
+    "temperature": (_is_number, "a number", float),
+    "top_p": (_is_number, "a number", float),
+    "min_p": (_is_number, "a number", float),
+    "top_k": (_is_int, "an integer", int),
+    "max_tokens": (_is_int, "an integer", int),
+    "logprobs": (_is_int, "an integer (top-n)", int),
+    "seed": (lambda v: v is None or _is_int(v), "an integer or null", lambda v: v),
+    "stop": (lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
+             "a string or a list of strings", lambda v: (v,) if isinstance(v, str) else tuple(v)),
+    "stop_token_ids": (_is_int_list, "a list of integers", tuple),
+    "ignore_eos": (lambda v: isinstance(v, bool), "true or false", bool),
+}
+
+
+def id_key(request_id: str | int) -> str:
+    """The id as JSON text: how ids are compared (so 7 and "7" are different ids)."""
+    return json.dumps(request_id)
+
+
+def valid_id(record: Mapping[str, Any]) -> str | int | None:
+    rid = record.get("id")
+    return rid if isinstance(rid, str) or _is_int(rid) else None
+
+
+def _prompt_ids(record: Mapping[str, Any], tokenizer: Tokenizer) -> list[int]:
+    given = [k for k in PROMPT_KEYS if k in record]
+    if len(given) != 1:
+        raise ValueError(f'a line needs exactly one of "prompt", "token_ids" or "messages", got '
+                         f'{" and ".join(map(repr, given)) or "none"}')
+    value = record[given[0]]
+    if given[0] == "prompt":
+        if not isinstance(value, str) or not value:
+            raise ValueError(f'"prompt" must be non-empty text, got {value!r}'[:200])
+        return tokenizer.encode(value)
+    if given[0] == "token_ids":
+        if not _is_int_list(value):
+            raise ValueError('"token_ids" must be a list of integers')
+        return value
+    try:
+        text = tokenizer.apply_chat_template(value)
+    except ValueError as e:
+        raise ValueError(f'"messages": {e}') from None
+    # The rendered template carries its own BOS when the model wants one.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def parse_record(line: int, record: object, defaults: Mapping[str, Any], base_seed: int | None,
+                 tokenizer: Tokenizer) -> Job:
+    """A Job from one decoded input line; ValueError says what is wrong (types and shape only:
+    value ranges, vocabulary and length are the engine's checks at submit)."""
+    if not isinstance(record, dict):
+        raise ValueError(f"a line must be a JSON object, got {type(record).__name__}")
+    if "id" not in record:
+        raise ValueError('missing "id"')
+    rid = valid_id(record)
+    if rid is None:
+        raise ValueError(f'"id" must be a string or an integer, got {record["id"]!r}'[:200])
+    unknown = sorted(set(record) - {"id", *PROMPT_KEYS, *SAMPLING_KEYS})
+    if unknown:
+        raise ValueError(f"unknown keys {unknown}; known: id, {', '.join(PROMPT_KEYS + SAMPLING_KEYS)}")
+    values = dict(defaults)
+    for name in SAMPLING_KEYS:
+        if name in record:
+            accepts, what, convert = _FIELDS[name]
+            if not accepts(record[name]):
+                raise ValueError(f"{name} must be {what}, got {record[name]!r}"[:200])
+            values[name] = convert(record[name])
+    if "seed" not in record and base_seed is not None:
+        values["seed"] = derive_seed(base_seed, zlib.crc32(id_key(rid).encode()))
+    stop = values.pop("stop")
+    ids = _prompt_ids(record, tokenizer)
+    return Job(line, rid, tuple(ids), SamplingParams(**values), stop)
+
+
+def read_jobs(lines: Iterable[tuple[int, str]], defaults: Mapping[str, Any], base_seed: int | None,
+              tokenizer: Tokenizer, done: set[str], tally: Tally) -> Iterator[Job | Failure]:
+    """Jobs and failures for (line number, text) pairs, lazily; ids in `done` are skipped
+    (counted in tally.skipped); a repeated id is a failure."""
+    first_line: dict[str, int] = {}
+    for n, text in lines:
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as e:
+            yield Failure(n, f"invalid JSON: {e}")
+            continue
+        rid = valid_id(record) if isinstance(record, dict) else None
+        key = None if rid is None else id_key(rid)
+        if key is not None and key in first_line:
+            yield Failure(n, f"duplicate id {key} (first on line {first_line[key]})", rid)
+            continue
+        if key is not None:
+            first_line[key] = n
+            if key in done:
+                tally.skipped += 1
+                continue
+        try:
+            yield parse_record(n, record, defaults, base_seed, tokenizer)
+        except ValueError as e:
+            yield Failure(n, str(e), rid)
+
+
+def numbered_lines(f: IO[str]) -> Iterator[tuple[int, str]]:
+    """(1-based line number, text) for the non-blank lines of a file."""
+    for n, text in enumerate(f, 1):
+        if text.strip():
+            yield n, text
+
+
+# ---- output: records, resuming ---------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ExistingOutput:
+    """What a previous run left in the output file."""
+
+    done: set[str]  # id keys with a result
+    keep: list[tuple[int, int]]  # byte ranges of the lines to keep (results, blank lines)
+    size: int  # the file's size in bytes
+
+    @property
+    def untouched(self) -> bool:
+        return self.keep == [(0, self.size)] or (self.size == 0 and not self.keep)
+
+
+def scan_output(path: str) -> ExistingOutput:
+    """Read an existing output file: the finished ids and the lines to keep. A last line
+    without its newline (a crash mid-write) and error records are not kept."""
+    done: set[str] = set()
+    keep: list[tuple[int, int]] = []
+    if not os.path.exists(path):
+        return ExistingOutput(done, keep, 0)
+    offset = 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            start, offset = offset, offset + len(raw)
+            if not raw.endswith(b"\n"):
+                break  # cut short by a crash: redone
+            if raw.strip():
+                try:
+                    record = json.loads(raw)
+                except ValueError:
+                    raise UsageError(f"{path}:{n} is not a JSON line; is it another program's file?") from None
+                if not isinstance(record, dict) or ("error" not in record and valid_id(record) is None):
+                    raise UsageError(f"{path}:{n} is not a result record; is it another program's file?")
+                if "error" in record:
+                    continue
+                done.add(id_key(record["id"]))
+            if keep and keep[-1][1] == start:
+                keep[-1] = (keep[-1][0], offset)
+            else:
+                keep.append((start, offset))
+    return ExistingOutput(done, keep, offset)
+
+
+def open_output(path: str, existing: ExistingOutput) -> IO[str]:
+    """The output file opened for appending, holding exactly the lines `existing` keeps: cut
+    at the end of the kept lines when only a tail goes, else rewritten (atomically) without
+    the dropped lines."""
+    if not existing.untouched:
+        if not existing.keep or (len(existing.keep) == 1 and existing.keep[0][0] == 0):
+            os.truncate(path, existing.keep[0][1] if existing.keep else 0)
+        else:
+            tmp = path + ".tmp"
+            with open(path, "rb") as src, open(tmp, "wb") as dst:
+                for start, end in existing.keep:
+                    src.seek(start)
+                    while start < end:  # in bounded pieces: the file may be large
+                        piece = src.read(min(end - start, 1 << 20))
+                        dst.write(piece)
+                        start += len(piece)
+            os.replace(tmp, path)
+    return open(path, "a", encoding="utf-8", newline="\n")
+
+
+def result_record(job: Job, text: str, token_ids: list[int], reason: str, out: RequestOutput,
+                  logprobs: list | None) -> dict[str, Any]:
+    u = out.usage
+    usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+             "cached_prompt_tokens": u.cached_prompt_tokens, "draft_tokens": u.draft_tokens,
+             "accepted_draft_tokens": u.accepted_draft_tokens, "seed": u.seed,
+             "timings": {"queue_s": round(u.queue_s, 4), "first_token_s": round(u.first_token_s, 4),
+                         "total_s": round(u.total_s, 4)}}
+    record = {"id": job.id, "text": text, "token_ids": token_ids, "finish_reason": reason, "usage": usage}
+    if job.sampling.logprobs:
+        record["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                              for lp in logprobs or ()]
+    return record
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Tally:
+    ok: int = 0
+    failed: int = 0
+    skipped: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+
+class Progress:
+    """One self-overwriting stderr line: requests done, tokens, tokens/s (at most 5 updates a second)."""
+
+    def __init__(self, stream: IO[str] | None, total: int | None):
+        self.stream, self.total = stream, total
+        self.start = self._last = time.perf_counter()
+
+    def update(self, tally: Tally, force: bool = False) -> None:
+        now = time.perf_counter()
+        if self.stream is None or (now - self._last < 0.2 and not force):
+            return
+        self._last = now
+        done = tally.ok + tally.failed + tally.skipped
+        dt = max(now - self.start, 1e-9)
+        total = f"/{self.total}" if self.total is not None else ""
+        self.stream.write(f"\r{done}{total} requests ({tally.failed} failed), {tally.generated_tokens} tokens, "
+                          f"{tally.generated_tokens / dt:.1f} tok/s, {dt:.0f}s ")
+        self.stream.flush()
+
+    def close(self, tally: Tally) -> None:
+        if self.stream is not None:
+            self.update(tally, force=True)
+            self.stream.write("\n")
+
+
+@dataclasses.dataclass
+class _Active:
+    job: Job
+    stream: TextStream
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+
+
+class Writer:
+    """Writes records (one JSON line each, flushed), counts them, reports failures on stderr."""
+
+    def __init__(self, out: IO[str], tally: Tally, progress: Progress):
+        self.out, self.tally, self.progress = out, tally, progress
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.out.flush()
+
+    def failure(self, f: Failure) -> None:
+        self.tally.failed += 1
+        who = "" if f.id is None else f" (id {id_key(f.id)})"
+        if self.progress.stream is not None:
+            sys.stderr.write("\r\x1b[K")  # over the progress line
+        print(f"line {f.line}{who}: {f.error}", file=sys.stderr)
+        self._write(f.record())
+
+    def result(self, record: dict[str, Any]) -> None:
+        self.tally.ok += 1
+        u = record["usage"]
+        self.tally.prompt_tokens += u["prompt_tokens"]
+        self.tally.cached_prompt_tokens += u["cached_prompt_tokens"]
+        self.tally.generated_tokens += u["completion_tokens"]
+        self._write(record)
+        self.progress.update(self.tally)
+
+
+def _take_output(engine: Engine, a: _Active, out: RequestOutput) -> dict[str, Any] | None:
+    """Take one step output of a request; its record when it finished."""
+    a.token_ids += out.new_token_ids
+    a.logprobs += out.logprobs or []
+    a.stream.push(out.new_token_ids)
+    if not out.finished:
+        if a.stream.stopped:
+            engine.cancel(out.request_id, FinishReason.STOP)  # the final output comes next step
+        return None
+    a.stream.finish()
+    reason = FinishReason.STOP.value if a.stream.stopped else out.finish_reason.value
+    return result_record(a.job, a.stream.text, a.token_ids, reason, out, a.logprobs)
+
+
+def run_jobs(engine: Engine, tokenizer: Tokenizer, items: Iterator[Job | Failure], writer: Writer, window: int) -> None:
+    """Feed the engine from `items` (at most `window` requests in it at once) and write every
+    request's record as it finishes."""
+    active: dict[str, _Active] = {}
+    held: Job | None = None  # a job the engine's queue had no room for
+    exhausted = False
+    while True:
+        while not exhausted and len(active) < window:
+            item = held or next(items, None)
+            held = None
+            if item is None:
+                exhausted = True
+            elif isinstance(item, Failure):
+                writer.failure(item)
+            else:
+                rid = str(item.line)
+                try:
+                    stream = TextStream(tokenizer, item.prompt_ids, item.stop)
+                    engine.submit(EngineRequest(rid, item.prompt_ids, item.sampling))
+                except QueueFullError:
+                    held = item
+                    break
+                except ValueError as e:
+                    writer.failure(Failure(item.line, str(e), item.id))
+                    continue
+                active[rid] = _Active(item, stream)
+        if not active:
+            return
+        for out in engine.step():
+            record = _take_output(engine, active[out.request_id], out)
+            if record is not None:
+                del active[out.request_id]
+                writer.result(record)
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+
+def _id_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m serving.generate", description=__doc__.split("\n\n")[0],
+                                epilog="Input and output formats: see the module docstring (serving/generate.py).")
+    io = p.add_argument_group("input and output")
+    io.add_argument("--input", help="JSON lines of requests ('-' reads stdin)")
+    io.add_argument("--output", help="JSON lines of results, appended to and resumed (default: stdout)")
+    io.add_argument("--prompt", action="append", help="a prompt text instead of --input (repeatable; ids 0, 1, ...)")
+    io.add_argument("--no-progress", action="store_true", help="no progress line (it is off when stderr is no TTY)")
+    s = p.add_argument_group("sampling (defaults for every request; input lines override them)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    s.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability (0 = off)")
+    s.add_argument("--seed", type=int, default=None,
+                   help="base seed: a request without its own samples with derive_seed(seed, crc32(id)); "
+                        "default: a drawn seed per request (reported in usage)")
+    s.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=16,
+                   help="tokens to generate per request (default 16)")
+    s.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    s.add_argument("--stop-token-ids", type=_id_list, default=(), help="comma-separated token ids that end a request")
+    s.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
+    s.add_argument("--logprobs", type=int, default=0, help="top-n logprobs per generated token (0 = none)")
+    add_serving_flags(p.add_argument_group("serving (ServingConfig fields, over --config FILE)"))
+    return p
+
+
+def sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+            "seed": None, "max_tokens": args.max_tokens, "stop": tuple(args.stop),
+            "stop_token_ids": args.stop_token_ids, "ignore_eos": args.ignore_eos, "logprobs": args.logprobs}
+
+
+def _check_sampling_flags(defaults: Mapping[str, Any], seed: int | None, vocab_size: int, max_logprobs: int) -> None:
+    values = {k: v for k, v in defaults.items() if k != "stop"} | {"seed": seed}
+    bad = SamplingParams(**values).problems(vocab_size, max_logprobs) + stop_string_problems(defaults["stop"])
+    if bad:
+        raise UsageError("bad sampling flags: " + "; ".join(bad))
+
+
+def _input_lines(args: argparse.Namespace) -> tuple[Iterator[tuple[int, str]], int | None]:
+    """(numbered input lines, how many there are when cheap to know)."""
+    if args.input is None:
+        prompts = args.prompt or [DEFAULT_PROMPT]
+        return ((i + 1, json.dumps({"id": i, "prompt": p})) for i, p in enumerate(prompts)), len(prompts)
+    if args.input == "-":
+        return numbered_lines(sys.stdin), None
+    try:
+        with open(args.input, encoding="utf-8") as f:  # fail now, not after loading the model
+            total = sum(1 for line in f if line.strip()) if not args.no_progress and sys.stderr.isatty() else None
+    except OSError as e:
+        raise UsageError(f"cannot read --input: {e}") from None
+    return _file_lines(args.input), total
+
+
+def _file_lines(path: str) -> Iterator[tuple[int, str]]:
+    with open(path, encoding="utf-8") as f:
+        yield from numbered_lines(f)
+
+
+def _summary(tally: Tally, wall_s: float, config: ServingConfig, output: str | None) -> str:
+    skipped = f", {tally.skipped} skipped (already in {output})" if output else ""
+    rate = tally.generated_tokens / wall_s if wall_s > 0 else 0.0
+    acceptance = "n/a: speculation off" if config.speculation == "none" else "not measured"
+    return (f"summary: {tally.ok} ok, {tally.failed} failed{skipped}; {tally.prompt_tokens} prompt tokens "
+            f"({tally.cached_prompt_tokens} cached), {tally.generated_tokens} generated in {wall_s:.2f}s "
+            f"({rate:.1f} tok/s); acceptance {acceptance}")
+
+
+def _load(config: ServingConfig, defaults: Mapping[str, Any], seed: int | None):
+    """The model, tokenizer and warmed-up engine (UsageError when the model cannot be loaded)."""
+    from serving.config import load_model, make_engine
+
+    t0 = time.perf_counter()
+    try:
+        model, tokenizer = load_model(config)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot load {config.model}: {e}") from None
+    cfg = model.config
+    demo = " (the demo model: random weights, its text is noise)" if config.model == DEMO_MODEL else ""
+    print(f"loaded {config.model} in {time.perf_counter() - t0:.1f}s: {cfg.num_hidden_layers} layers, vocab "
+          f"{cfg.vocab_size}{demo}", file=sys.stderr)
+    _check_sampling_flags(defaults, seed, cfg.vocab_size, config.max_logprobs)
+
+    def warmup(i: int, n: int, bucket) -> None:
+        print(f"compiling step {i + 1}/{n}: {bucket.tokens} tokens, {bucket.requests} requests", file=sys.stderr,
+              flush=True)
+
+    t0 = time.perf_counter()
+    try:
+        engine = make_engine(model, config, eos_token_ids=tokenizer.eos_token_ids, progress=warmup)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(f"engine ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return tokenizer, engine
+
+
+def serving_config(args: argparse.Namespace) -> ServingConfig:
+    """Defaults < --config FILE < flags; the demo model gets DEMO_SERVING unless one of its
+    fields is set."""
+    try:
+        config = config_from_args(args)
+        if config.model != DEMO_MODEL:
+            return config
+        given = {k for k in DEMO_SERVING if getattr(args, k) is not None}
+        if args.config_file:
+            given |= set(read_config_file(args.config_file))
+        return config if given & set(DEMO_SERVING) else dataclasses.replace(config, **DEMO_SERVING)
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    config = serving_config(args)
+    if args.prompt and args.input:
+        raise UsageError("give --input or --prompt, not both")
+    if args.output and args.input and args.input != "-" and os.path.exists(args.output) \
+            and os.path.samefile(args.input, args.output):
+        raise UsageError("--output must not be the --input file")
+    defaults = sampling_defaults(args)
+    _check_sampling_flags(defaults, args.seed, 2**31, config.max_logprobs)  # before the slow part
+    lines, total = _input_lines(args)
+    existing = scan_output(args.output) if args.output else ExistingOutput(set(), [], 0)
+    tokenizer, engine = _load(config, defaults, args.seed)
+    try:
+        out = open_output(args.output, existing) if args.output else sys.stdout
+    except OSError as e:
+        raise UsageError(f"cannot write --output: {e}") from None
+    tally = Tally()
+    progress = Progress(sys.stderr if sys.stderr.isatty() and not args.no_progress else None, total)
+    items = read_jobs(lines, defaults, args.seed, tokenizer, existing.done, tally)
+    t0 = time.perf_counter()
+    try:
+        run_jobs(engine, tokenizer, items, Writer(out, tally, progress), window=2 * config.max_num_seqs)
+    except KeyboardInterrupt:
+        progress.close(tally)
+        print("interrupted: finished requests are saved; rerun with the same --output to resume", file=sys.stderr)
+        print(_summary(tally, time.perf_counter() - t0, config, args.output), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    progress.close(tally)
+    print(_summary(tally, time.perf_counter() - t0, config, args.output), file=sys.stderr)
+    return EXIT_FAILED_LINES if tally.failed else EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    import dsv4
-    from dsv4.step import enable_compilation_cache
-
-    if args.compilation_cache:
-        enable_compilation_cache(args.compilation_cache)
-    model_dir = args.model or ensure_demo_checkpoint(args.demo_dir)
-    t0 = time.perf_counter()
     try:
-        model = dsv4.load_pretrained(model_dir, dtype=args.dtype)
-    except (OSError, ValueError) as e:
-        print(f"error: cannot load {model_dir}: {e}", file=sys.stderr)
-        return 2
-    cfg = model.config
-    print(f"loaded {model_dir} in {time.perf_counter() - t0:.1f}s: {cfg.num_hidden_layers} layers, "
-          f"vocab {cfg.vocab_size}{' (demo model: random weights, output is noise)' if not args.model else ''}")
-    print(model.load_summary)
-    tok = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
-    prompts = args.prompt or ["Hello, DeepSeek-V4!"]
-    t1 = time.perf_counter()
-
-    def progress(done: int, total: int) -> None:
-        print(f"  finished {done}/{total} requests ({time.perf_counter() - t1:.1f}s)", flush=True)
-
-    outputs = model.generate([tok.encode(p) for p in prompts], args.max_new_tokens, temperature=args.temperature,
-                             seed=args.seed, stop_token_ids=[cfg.eos_token_id], max_num_seqs=args.max_num_seqs,
-                             max_num_batched_tokens=args.max_num_batched_tokens, progress=progress)
-    dt = time.perf_counter() - t1
-    for prompt, new in zip(prompts, outputs):
-        print(f"prompt: {prompt!r}\n  tokens: {new}\n  text: {tok.decode(new)!r}")
-    n = sum(len(o) for o in outputs)
-    print(f"{len(prompts)} requests, {n} tokens in {dt:.2f}s ({n / dt:.1f} tok/s, including compilation)")
-    return 0
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2)
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    try:
+        return _run(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":
