@@ -37,7 +37,7 @@ class ServingConfig:
     max_waiting: int = 1024  # queued requests before RESOURCE_EXHAUSTED
     max_logprobs: int = 20  # the widest top-n logprobs a request may ask for
     speculation: str = "none"  # none | mtp | dspark
-    bucket_tokens: tuple[int, ...] = ()  # step token sizes to compile; () = powers of two
+    bucket_tokens: tuple[int, ...] = ()  # step token sizes; () = powers of two up to max_num_seqs, and the budget
     enable_prefix_caching: bool = True  # share block-aligned prompt prefixes (off under data parallelism)
     prefix_cache_snapshots: int = 0  # ring snapshots kept for the prefix cache; 0 = 4 x max_num_seqs
     compilation_cache: str | None = os.path.join(DEFAULT_CACHE, "xla")
@@ -95,12 +95,18 @@ class ServingConfig:
 def read_config_file(path: str) -> dict[str, Any]:
     if path.endswith(".toml"):
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            try:
+                return tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"{path}: not valid TOML: {e}") from None
     if path.endswith((".yaml", ".yml")):
         import yaml
 
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ValueError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of config keys")
         return data
@@ -173,7 +179,11 @@ def make_engine(model, config: ServingConfig, *, eos_token_ids: tuple[int, ...] 
     geometry = StateGeometry(num_slots=slots, num_pages=slots * per_seq, page_tokens=page,
                              max_pages_per_seq=per_seq, max_spec_tokens=0,
                              dtype=model.params["embed"]["weight"][...].dtype)
-    sizes = list(config.bucket_tokens) or None
+    # Decode-only steps need at most `slots` tokens; any step with a prefill chunk takes the
+    # whole budget: few programs to compile, little padding where it matters.
+    sizes = list(config.bucket_tokens) or sorted(
+        {1 << i for i in range(slots.bit_length()) if 1 << i < config.max_num_batched_tokens}
+        | {min(slots, config.max_num_batched_tokens), config.max_num_batched_tokens})
     buckets = make_buckets(config.max_num_batched_tokens, slots, token_sizes=sizes)
     caching = config.enable_prefix_caching and shards == 1
     snapshots = (config.prefix_cache_snapshots or 4 * slots) if caching else 0

@@ -43,6 +43,13 @@ def test_file_errors_name_the_problem(tmp_path):
     bad.write_text("max_num_seq = 4\n")
     with pytest.raises(ValueError, match=r"unknown keys \['max_num_seq'\]"):
         ServingConfig.from_file(str(bad))
+    broken = tmp_path / "c.yaml"
+    broken.write_text("a: [1,\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        ServingConfig.from_file(str(broken))
+    bad.write_text("max_num_seqs = \n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        ServingConfig.from_file(str(bad))
     with pytest.raises(ValueError, match=r"\.toml, \.yaml or \.yml"):
         ServingConfig.from_file(str(tmp_path / "c.json"))
 
