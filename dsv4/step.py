@@ -173,20 +173,22 @@ class StepRunner:
             ops = placement.shard_ops(ops)
         step = make_step(graphdef, geometry, ops, return_logits=return_logits, max_logprobs=max_logprobs)
         init = lambda: init_state(config, geometry)  # noqa: E731
+        self._init_state = jax.jit(init) if placement is None else None
         if placement is None:
             self.params = params
-            self.state: DecodeState = jax.jit(init)()
+            self.state: DecodeState = self._init_state()
             self._step = jax.jit(step, donate_argnums=(1,))
         else:
             self.params = placement.place_params(params)
             state_sh = placement.state_shardings(jax.eval_shape(init))
-            self.state = jax.jit(init, out_shardings=state_sh)()
+            self._init_state = jax.jit(init, out_shardings=state_sh)
+            self.state = self._init_state()
             rep = placement.replicated()
             self._step = jax.jit(step, donate_argnums=(1,),
                                  in_shardings=(placement.param_shardings(params), state_sh, rep),
                                  out_shardings=(state_sh, rep))
-        self._last_tokens = jax.device_put(np.zeros(geometry.num_slots, np.int32),
-                                           None if placement is None else placement.replicated())
+        self._replicated = None if placement is None else placement.replicated()
+        self._last_tokens = jax.device_put(np.zeros(geometry.num_slots, np.int32), self._replicated)
         self._compiled: dict[Bucket, Callable] = {}
         self.recompilations = 0  # programs compiled after warm-up (a serving metric)
         self._warm = False
@@ -204,6 +206,12 @@ class StepRunner:
                                  donate_argnums=(0,))
             self._restore = jax.jit(lambda state, snaps, snap, slot: copy_slot(state, slot, n, snaps, snap, m),
                                     donate_argnums=(0,))
+
+    def reset_state(self) -> None:
+        """A fresh all-zero decode state (after a failed step, which may have consumed the old
+        one: it is donated). Snapshots are kept: they were copies."""
+        self.state = self._init_state()
+        self._last_tokens = jax.device_put(np.zeros(self.geometry.num_slots, np.int32), self._replicated)
 
     def save_slot(self, slot: int, snapshot: int) -> None:
         """Copy slot `slot`'s rings into snapshot `snapshot` (between steps)."""

@@ -62,6 +62,16 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at its limit (a server answers RESOURCE_EXHAUSTED)."""
 
 
+class StepError(RuntimeError):
+    """A step failed. `request_ids` were in it and have ended (no final output comes for
+    them); every other request was kept and will recompute. The engine is consistent and
+    can go on stepping."""
+
+    def __init__(self, request_ids: list[str], cause: Exception):
+        super().__init__(f"step failed for {len(request_ids)} request(s) {request_ids[:8]}: {cause!r}")
+        self.request_ids, self.cause = request_ids, cause
+
+
 MAX_SEED = 2**32 - 1
 
 
@@ -261,7 +271,8 @@ class Engine:
     # ---- interface ---------------------------------------------------------------------
 
     def validate(self, req: EngineRequest) -> list[str]:
-        """What is wrong with a request (empty when it can be submitted)."""
+        """What is wrong with a request (empty when it can be submitted). Pure: it reads only
+        the limits, so another thread may call it while the engine steps."""
         lim = self.limits
         bad = list(req.sampling.problems(lim.vocab_size, lim.max_logprobs))
         if not req.request_id:
@@ -333,22 +344,24 @@ class Engine:
         t0 = time.perf_counter()
         plan = self._schedule()
         launched = None
-        if plan:
-            chunks = [self._chunk(live, n) for live, n in plan]
-            launched = (self.runner.dispatch(chunks), [(live, live.slot, bool(c.outputs)) for (live, _), c
-                                                       in zip(plan, chunks)])
-            for (live, n), c in zip(plan, chunks):
-                live.committed += n
-                live.pending += bool(c.outputs)
-            self._steps += 1
-            self._tokens += sum(n for _, n in plan)
-        t1 = time.perf_counter()
-        if self._inflight is not None:
-            result = self.runner.collect(self._inflight[0])
-            t2 = time.perf_counter()
+        try:
+            if plan:
+                chunks = [self._chunk(live, n) for live, n in plan]
+                launched = (self.runner.dispatch(chunks), [(live, live.slot, bool(c.outputs)) for (live, _), c
+                                                           in zip(plan, chunks)])
+                for (live, n), c in zip(plan, chunks):
+                    live.committed += n
+                    live.pending += bool(c.outputs)
+                self._steps += 1
+                self._tokens += sum(n for _, n in plan)
+            t1 = time.perf_counter()
+            result = self.runner.collect(self._inflight[0]) if self._inflight is not None else None
+        except Exception as e:
+            self._aborted = outputs + self._aborted  # not lost: the next step hands them out
+            raise self._recover([live for live, _ in plan], e) from e
+        t2 = time.perf_counter()
+        if result is not None:
             outputs += self._finish_step(result, self._inflight[1])
-        else:
-            t2 = t1
         self._inflight = launched
         for live, n in plan:  # after step n was launched and before step n+1 is
             if live in self._running:
@@ -356,6 +369,30 @@ class Engine:
         self._host_s += (t1 - t0) + (time.perf_counter() - t2)
         self._run_s += t2 - t1
         return outputs
+
+    def _recover(self, planned: list[_Live], cause: Exception) -> StepError:
+        """After a failed launch or collect: end the requests of the failed steps, reset the
+        device state (a failed step may have consumed it: it is donated) and send every other
+        running request back to wait and recompute, which reproduces its tokens exactly."""
+        failed = {id(live): live for live in planned}
+        if self._inflight is not None:
+            failed.update((id(live), live) for live, _, _ in self._inflight[1])
+        self._inflight = None
+        for live in failed.values():
+            for queue in (self._running, self._waiting):
+                if live in queue:
+                    queue.remove(live)
+                    self._release(live)
+        reset = getattr(self.runner, "reset_state", None)
+        if reset is not None:
+            reset()
+        for live in list(self._running):
+            self._preempt(live)
+        if reset is not None:
+            self._pages.drop_cache()  # the pages' contents went with the old state
+        for live in self._waiting:
+            live.pending = 0  # tokens of the lost steps are sampled again, identically
+        return StepError([live.req.request_id for live in failed.values()], cause)
 
     def _finish_step(self, result, rows: list[tuple[_Live, int, bool]]) -> list[RequestOutput]:
         """Hand out a collected step's tokens; requests cancelled since it was launched, and

@@ -26,16 +26,14 @@ otherwise receive it.
 Failures: a request the engine refuses gets one error event (INVALID_ARGUMENT with
 `Engine.submit`'s message, RESOURCE_EXHAUSTED for `QueueFullError`). An exception while
 turning one request's output into text fails that request alone (INTERNAL) and cancels it.
-An exception from `engine.step()` fails every open request with INTERNAL and cancels them
-all, leaving the engine empty (every slot and page free) and the loop serving: the engine
-does not say which requests were in the failed step, and it loses the final outputs of
-requests cancelled since the previous step (they were taken before the runner raised), so
-only an empty engine is known to be consistent. Requests whose stop string had already
-appeared end normally (finish reason stop, usage counted by the loop). If the runner's
-device state itself was lost (its buffers are donated to the step program), every later
-step fails as well; after `max_consecutive_failures` failed steps in a row the loop reports
-itself unhealthy (`on_health(False)`, health NOT_SERVING) so an orchestrator can replace the
-process, and a step that succeeds reports healthy again.
+A `StepError` from `engine.step()` (the runner failed) fails the requests of the failed
+step with INTERNAL; the engine has already ended them, reset its device state and sent the
+other requests back to recompute, so they go on unchanged. Any other exception from
+`engine.step()` (a bug) fails every open request with INTERNAL and cancels them all,
+leaving the engine empty and the loop serving; requests whose stop string had already
+appeared end normally then (finish reason stop). After `max_consecutive_failures` failed
+steps in a row the loop reports itself unhealthy (`on_health(False)`, health NOT_SERVING)
+so an orchestrator can replace the process; a step that succeeds reports healthy again.
 """
 
 from __future__ import annotations
@@ -50,7 +48,7 @@ import threading
 import time
 from typing import Callable, Iterator, Protocol, Sequence
 
-from serving.engine import (Engine, EngineRequest, EngineStats, FinishReason, QueueFullError, RequestOutput,
+from serving.engine import (Engine, EngineRequest, EngineStats, FinishReason, QueueFullError, RequestOutput, StepError,
                             TokenLogprob, Usage)
 from serving.text import TextStream
 from serving.tokenizer import Tokenizer
@@ -334,6 +332,25 @@ class EngineLoop:
         before = self.engine.stats() if self._observer else None
         try:
             outputs = self.engine.step()
+        except StepError as e:
+            # The engine ended the failed step's requests and kept the rest (they recompute).
+            log.error("engine step failed for %s: %r", e.request_ids, e.cause)
+            self._step_failures += 1
+            self._failures_in_row += 1
+            if self._observer:
+                self._observer.step_failed()
+            error = RequestError(ErrorKind.INTERNAL, f"the engine step failed: {type(e.cause).__name__}: {e.cause}")
+            for rid in e.request_ids:
+                st = self._streams.pop(rid, None)
+                if st is not None and not st.closed:
+                    if self._observer:
+                        self._observer.failed(error.kind)
+                    self._send(st.sink, StreamEvent(rid, error=error))
+            if self._failures_in_row >= self._max_failures:
+                self._set_healthy(False)
+            if self._observer:
+                self._observer.step(before, self.engine.stats(), len(self._streams))
+            return
         except Exception as e:
             log.exception("engine step failed; failing every open request")
             self._step_failures += 1

@@ -112,6 +112,16 @@ class BlockManager:
             if block.refs == 0:
                 self._evictable[p] = None  # most recently used end
 
+    def drop_cache(self) -> None:
+        """Forget every cached block (their pages' contents are gone, e.g. after a state
+        reset); unreferenced ones become free. Blocks still referenced stay allocated to their
+        holders but are no longer matched."""
+        for block in list(self._blocks.values()):
+            referenced = block.refs > 0
+            self._forget(block)
+            if not referenced:
+                self._free[block.page * self.shards // self.num_pages].append(block.page)
+
     def _forget(self, block: _Block) -> None:
         del self._blocks[block.key]
         del self._by_page[block.page]

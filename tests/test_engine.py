@@ -327,3 +327,61 @@ def test_overlap_wastes_one_step_only_on_a_stop_token_and_never_reports_it():
     assert engine.stats().tokens_generated == 5
     decoded = [c for step in runner.steps for c in step if c.token_from_last]
     assert decoded and all(len(c.tokens) == 1 for c in decoded)
+
+
+class FlakyRunner(MockRunner):
+    """Fails the `fail_dispatch`-th dispatch or the `fail_collect`-th collect (1-based)."""
+
+    def __init__(self, fail_dispatch=0, fail_collect=0, **kw):
+        super().__init__(**kw)
+        self.fail_dispatch, self.fail_collect, self.dispatches, self.collects, self.resets = (
+            fail_dispatch, fail_collect, 0, 0, 0)
+
+    def dispatch(self, chunks):
+        self.dispatches += 1
+        if self.dispatches == self.fail_dispatch:
+            raise RuntimeError("injected launch failure")
+        return super().dispatch(chunks)
+
+    def collect(self, outputs):
+        self.collects += 1
+        if self.collects == self.fail_collect:
+            raise RuntimeError("injected device failure")
+        return outputs
+
+    def reset_state(self):
+        self.resets += 1
+        self.length.clear()  # the mock's picture of the state is gone too
+        self.owner.clear()
+
+
+@pytest.mark.parametrize("where", ["dispatch", "collect"])
+def test_a_failed_step_ends_only_its_requests_and_the_rest_recompute_exactly(where):
+    from serving.engine import StepError
+
+    rng = np.random.default_rng(7)
+    runner = FlakyRunner(**{f"fail_{where}": 4}, slots=2, requests=2)
+    engine = Engine(runner, limits(runner))
+    ps = prompts(4, rng, 2, 6)
+    for i, p in enumerate(ps):
+        engine.submit(EngineRequest(f"r{i}", p, SamplingParams(max_tokens=6)))
+    got: dict[str, list[int]] = {}
+    final, failed = {}, []
+    while engine.has_work():
+        try:
+            outs = engine.step()
+        except StepError as e:
+            failed += e.request_ids
+            assert isinstance(e.cause, RuntimeError)
+            continue
+        for o in outs:
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                final[o.request_id] = o
+    assert failed and runner.resets == 1
+    assert set(failed).isdisjoint(final) and set(failed) | set(final) == {f"r{i}" for i in range(4)}
+    for rid, o in final.items():
+        i = int(rid[1:])
+        assert got[rid] == expected(ps[i], 6) and o.finish_reason is FinishReason.LENGTH
+    s = engine.stats()
+    assert s.free_slots == 2 and s.free_pages == 16 and s.running == s.waiting == 0
