@@ -190,7 +190,10 @@ def test_flash_width_sharded_step_moves_activations_not_weights(deployment, size
     assert collectives, "a sharded step without collectives cannot be right"
     for dtype, dims, op in collectives:
         elements = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-        # Largest legitimate ones: the indexer's [T, candidates] head sum and the [T, D]
-        # activations (the MoE reduces once per layer, after its sum over K).
-        assert elements <= tokens * 33 * 32 or (op == "all-reduce" and elements <= tokens * cfg.hidden_size), \
+        # Largest legitimate ones: the indexer's [T, candidates] head sum, the [T, D]
+        # activations (the MoE reduces once per layer, after its sum over K), and the output
+        # rows' vocabulary-split logits [O, V], gathered whole for top-k / top-p sampling.
+        logits_rows = op == "all-gather" and dims == f"8,{cfg.vocab_size}"
+        assert elements <= tokens * 33 * 32 or logits_rows or \
+            (op == "all-reduce" and elements <= tokens * cfg.hidden_size), \
             f"{op} of {dtype}[{dims}]: a weight or a whole state table moves between devices"
