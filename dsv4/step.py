@@ -230,11 +230,16 @@ class StepRunner:
             raise ValueError(f"slot {slot} outside [0, {self.geometry.num_slots})")
 
     def warmup(self, progress: Callable[[int, int, Bucket], None] | None = None) -> None:
-        """Compile every bucket now; `progress(i, n, bucket)` is called before each compile."""
+        """Compile every bucket now; `progress(i, n, bucket)` is called before each compile.
+        Call it before any request runs: it also compiles the slot-snapshot copies by running
+        them once on slot 0 and snapshot 0 (harmless while the state is empty)."""
         for i, bucket in enumerate(self.buckets):
             if progress is not None:
                 progress(i, len(self.buckets), bucket)
             self._compile(bucket)
+        if self.snapshot_slots:
+            self.save_slot(0, 0)
+            self.restore_slot(0, 0)
         self._warm = True
 
     def _compile(self, bucket: Bucket) -> Callable:
