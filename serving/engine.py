@@ -443,7 +443,7 @@ class Engine:
             live = self._waiting[0]
             if live.pending:
                 break  # preempted with a token still on the device: readmit once it has arrived
-            slot = self._slot_with_pages(live)
+            slot = self._slot_with_pages()
             if slot is None:
                 break
             self._waiting.pop(0)
@@ -503,7 +503,7 @@ class Engine:
     def _pages_for(self, positions: int) -> int:
         return -(-positions // self.geometry.page_tokens)
 
-    def _slot_with_pages(self, live: _Live) -> int | None:
+    def _slot_with_pages(self) -> int | None:
         """A free slot whose shard has a page for the request's first token."""
         return next((s for s in self._free_slots if self._pages.free_count(self._shard(s)) >= 1), None)
 
