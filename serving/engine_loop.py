@@ -143,7 +143,6 @@ class _Stream:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     first_token_at: float | None = None
-    stop_seen: bool = False  # a stop string appeared; the engine was told to stop
     closed: bool = False  # the final event was sent; waiting for the engine's final output
 
 
@@ -388,25 +387,21 @@ class EngineLoop:
             return
         now = self._clock()
         tokens = tuple(out.new_token_ids)
-        text = st.text.push(tokens) if tokens else ""
+        update = st.text.update(out)
         if tokens:
             st.completion_tokens += len(tokens)
             if st.first_token_at is None:
                 st.first_token_at = now
             if self._observer:
                 self._observer.tokens(len(tokens))
-        if st.text.stopped and not st.stop_seen:
-            st.stop_seen = True
-            if not out.finished:
-                self.engine.cancel(out.request_id, FinishReason.STOP)
+        if update.cancel:
+            self.engine.cancel(out.request_id, FinishReason.STOP)
         logprobs = tuple(out.logprobs or ())
-        if not out.finished:
-            if tokens or text:
-                self._send(st.sink, StreamEvent(out.request_id, tokens, text, logprobs))
+        if update.finish_reason is None:
+            if tokens or update.text:
+                self._send(st.sink, StreamEvent(out.request_id, tokens, update.text, logprobs))
             return
-        reason = FinishReason.STOP if st.stop_seen else out.finish_reason
-        if not st.stop_seen:
-            text += st.text.finish()
+        reason, text = update.finish_reason, update.text
         usage = self._usage(st, out.usage)
         del self._streams[out.request_id]
         if self._observer:
@@ -450,8 +445,8 @@ class EngineLoop:
             if st.closed:
                 continue
             out = finals.get(rid)
-            if st.stop_seen or (error is None and out is not None):
-                reason = FinishReason.STOP if st.stop_seen else FinishReason.ABORT
+            if st.text.stopped or (error is None and out is not None):
+                reason = FinishReason.STOP if st.text.stopped else FinishReason.ABORT
                 usage = self._usage(st, out.usage if out is not None else None)
                 if self._observer:
                     self._observer.finished(reason, usage)

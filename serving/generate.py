@@ -377,14 +377,12 @@ def _take_output(engine: Engine, a: _Active, out: RequestOutput) -> dict[str, An
     """Take one step output of a request; its record when it finished."""
     a.token_ids += out.new_token_ids
     a.logprobs += out.logprobs or []
-    a.stream.push(out.new_token_ids)
-    if not out.finished:
-        if a.stream.stopped:
-            engine.cancel(out.request_id, FinishReason.STOP)  # the final output comes next step
+    update = a.stream.update(out)
+    if update.cancel:
+        engine.cancel(out.request_id, FinishReason.STOP)  # the final output comes next step
+    if update.finish_reason is None:
         return None
-    a.stream.finish()
-    reason = FinishReason.STOP.value if a.stream.stopped else out.finish_reason.value
-    return result_record(a.job, a.stream.text, a.token_ids, reason, out, a.logprobs)
+    return result_record(a.job, a.stream.text, a.token_ids, update.finish_reason.value, out, a.logprobs)
 
 
 def run_jobs(engine: Engine, tokenizer: Tokenizer, items: Iterator[Job | Failure], writer: Writer, window: int) -> None:

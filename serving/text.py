@@ -7,12 +7,17 @@ no text after a stop string is ever sent. When a stop string appears, the text b
 released, the stream reports `stopped`, and the caller ends the request
 (`Engine.cancel(request_id, FinishReason.STOP)`). As in vLLM, the stop string itself is not
 part of the text, while the token that completed it stays in the token ids.
+
+`TextStream.update` is that whole policy for one engine output; the gRPC loop and the batch
+CLI both use it, so they cannot disagree about where a request's text ends.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
+from serving.engine import FinishReason, RequestOutput
 from serving.tokenizer import IncrementalDetokenizer, Tokenizer
 
 MAX_STOP_STRINGS = 16
@@ -32,6 +37,15 @@ def stop_string_problems(stop: Sequence[str]) -> list[str]:
     return bad
 
 
+@dataclasses.dataclass(frozen=True)
+class TextUpdate:
+    """What one engine output means for a request's text."""
+
+    text: str  # new text to send (never past a stop string)
+    cancel: bool  # a stop string appeared while the engine runs on: cancel it with FinishReason.STOP
+    finish_reason: FinishReason | None  # on the request's final output: stop when a stop string ended it
+
+
 class TextStream:
     """The text of one request's generated tokens, with stop strings. One thread uses it."""
 
@@ -45,6 +59,17 @@ class TextStream:
         self._held = ""  # decoded text not yet released (it could start a stop string)
         self.stopped = False
         self.text = ""  # everything released so far
+        self._cancel_sent = False
+
+    def update(self, out: RequestOutput) -> TextUpdate:
+        """Take one engine output of this request (tokens after a stop string give no text)."""
+        text = self.push(out.new_token_ids) if out.new_token_ids else ""
+        cancel = self.stopped and not out.finished and not self._cancel_sent
+        self._cancel_sent |= cancel
+        if not out.finished:
+            return TextUpdate(text, cancel, None)
+        text += self.finish()
+        return TextUpdate(text, False, FinishReason.STOP if self.stopped else out.finish_reason)
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Text released by these tokens (possibly ''). After a stop string: '' forever."""

@@ -64,3 +64,27 @@ def test_malformed_stop_strings_are_named():
     assert f"at most {MAX_STOP_STRINGS}" in stop_string_problems(["a"] * 17)[0]
     with pytest.raises(ValueError, match="non-empty"):
         TextStream(TOK, stop=[""])
+
+
+def test_update_cancels_once_and_ends_with_stop_whatever_the_engine_says():
+    """The one output policy of the gRPC loop and the CLI: a stop string asks for one cancel;
+    the final output finishes with stop (even if the engine reports abort or length), and
+    tokens after the stop string give no text."""
+    from serving.engine import FinishReason, RequestOutput
+
+    ids = TOK.encode("ab.cd", add_special_tokens=False)
+    s = TextStream(TOK, stop=["."])
+    u1 = s.update(RequestOutput("r", ids[:2]))
+    assert (u1.text, u1.cancel, u1.finish_reason) == ("ab", False, None)
+    u2 = s.update(RequestOutput("r", ids[2:4]))
+    assert (u2.text, u2.cancel, u2.finish_reason) == ("", True, None)
+    u3 = s.update(RequestOutput("r", ids[4:]))
+    assert (u3.text, u3.cancel) == ("", False)  # cancel was already asked for
+    u4 = s.update(RequestOutput("r", [], finish_reason=FinishReason.ABORT))
+    assert (u4.text, u4.cancel, u4.finish_reason) == ("", False, FinishReason.STOP)
+    assert s.text == "ab"
+
+    plain = TextStream(TOK, stop=["zz"])
+    assert plain.update(RequestOutput("r", ids[:4])).text == "ab.c"
+    end = plain.update(RequestOutput("r", ids[4:], finish_reason=FinishReason.LENGTH))
+    assert (end.text, end.finish_reason) == ("d", FinishReason.LENGTH)
