@@ -251,6 +251,18 @@ class StepRunner:
                 self._compiled[bucket] = self._step.lower(self.params, self.state, example).compile()
         return self._compiled[bucket]
 
+    def workspace_bytes(self) -> int | None:
+        """The most temporary device memory any compiled step needs (XLA's memory analysis), or
+        None where the backend does not report it."""
+        sizes = []
+        for program in self._compiled.values():
+            analysis = program.memory_analysis()
+            size = getattr(analysis, "temp_size_in_bytes", None)
+            if size is None:
+                return None
+            sizes.append(int(size))
+        return max(sizes, default=None)
+
     def program_text(self, bucket: Bucket) -> str:
         """The compiled step of a warmed-up bucket as HLO text (to inspect its collectives)."""
         if bucket not in self._compiled:

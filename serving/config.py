@@ -5,17 +5,25 @@ named like the fields), then command-line flags. Library code receives the objec
 reads environment variables.
 
 `make_engine(model, config)` sizes the decode state and the static buckets for a loaded
-`dsv4.Model` and returns a ready (warmed-up) `serving.engine.Engine`.
+`dsv4.Model` and returns a ready (warmed-up) `serving.engine.Engine`. On a device whose
+allocator reports its size (GPUs), `memory_fraction` of it holds the parameters, the slots,
+the prefix-cache snapshots and as many KV pages as fit (`dsv4.memory.plan_memory`; capped at
+what max_num_seqs full-length requests can use); the rest is left for each step's
+temporaries, which is checked after warm-up. Without a reported size (CPU) the state holds
+exactly max_num_seqs requests of max_model_len.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import math
 import os
 import tomllib
 from typing import Any, Callable, Mapping
+
+log = logging.getLogger(__name__)
 
 DEMO_MODEL = "tiny"
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "dsv4-jax")
@@ -31,7 +39,7 @@ class ServingConfig:
     mesh: tuple[int, ...] = ()  # axis sizes in the deployment's MESH_AXES order
     max_num_seqs: int = 8  # requests decoded concurrently (state slots)
     max_num_batched_tokens: int = 256  # tokens per step
-    memory_fraction: float = 0.9  # share of device memory for parameters + state (accelerators)
+    memory_fraction: float = 0.9  # share of device memory for parameters, state and snapshots (accelerators)
     max_model_len: int = 4096  # prompt + max_tokens per request
     max_req_tokens: int | None = None  # an operator's tighter cap on prompt + max_tokens
     max_waiting: int = 1024  # queued requests before RESOURCE_EXHAUSTED
@@ -163,6 +171,7 @@ def make_engine(model, config: ServingConfig, *, eos_token_ids: tuple[int, ...] 
     """A warmed-up Engine for a loaded `dsv4.Model` (state sized by max_num_seqs and
     max_model_len); generation stops at the model's EOS and at `eos_token_ids` (the
     tokenizer's); `progress(i, n, bucket)` is called before each bucket compiles."""
+    from dsv4.memory import device_memory_bytes
     from dsv4.ops.registry import ops_for
     from dsv4.state import StateGeometry, default_page_tokens
     from dsv4.step import CompilePolicy, StepRunner, make_buckets
@@ -176,27 +185,79 @@ def make_engine(model, config: ServingConfig, *, eos_token_ids: tuple[int, ...] 
     per_seq = math.ceil(config.max_model_len / page)
     shards = model.placement.mesh_shape.get("data", 1) if model.placement is not None else 1
     slots = math.ceil(config.max_num_seqs / shards) * shards
-    geometry = StateGeometry(num_slots=slots, num_pages=slots * per_seq, page_tokens=page,
-                             max_pages_per_seq=per_seq, max_spec_tokens=0,
-                             dtype=model.params["embed"]["weight"][...].dtype)
+    caching = config.enable_prefix_caching and shards == 1
+    snapshots = (config.prefix_cache_snapshots or 4 * slots) if caching else 0
+    dtype = model.params["embed"]["weight"][...].dtype
+    template = StateGeometry(num_slots=slots, num_pages=slots * per_seq, page_tokens=page,
+                             max_pages_per_seq=per_seq, max_spec_tokens=0, dtype=dtype)
+    device = _first_device(model)
+    plan = plan_pages(cfg, config, template, shards=shards, snapshots=snapshots,
+                      device_bytes=device_memory_bytes(device), bytes_in_use=_bytes_in_use(device))
+    geometry = template if plan is None else dataclasses.replace(template, num_pages=plan.num_pages * shards)
+    if plan is not None:
+        log.info("%s", plan.summary())
     # Decode-only steps need at most `slots` tokens; any step with a prefill chunk takes the
     # whole budget: few programs to compile, little padding where it matters.
     sizes = list(config.bucket_tokens) or sorted(
         {1 << i for i in range(slots.bit_length()) if 1 << i < config.max_num_batched_tokens}
         | {min(slots, config.max_num_batched_tokens), config.max_num_batched_tokens})
     buckets = make_buckets(config.max_num_batched_tokens, slots, token_sizes=sizes)
-    caching = config.enable_prefix_caching and shards == 1
-    snapshots = (config.prefix_cache_snapshots or 4 * slots) if caching else 0
     runner = StepRunner(model.graphdef, model.params, cfg, geometry, buckets, ops_for(model.backend),
                         policy=CompilePolicy.WARN, placement=model.placement, max_logprobs=config.max_logprobs,
                         snapshot_slots=snapshots)
     runner.warmup(progress)
+    if plan is not None:
+        check_workspace(runner.workspace_bytes(), device_bytes=plan.device_bytes,
+                        bytes_in_use=_bytes_in_use(device))
     eos = tuple(dict.fromkeys((cfg.eos_token_id, *eos_token_ids)))
     limits = EngineLimits(vocab_size=cfg.vocab_size, eos_token_ids=eos,
                           max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
                           max_req_tokens=config.max_req_tokens, max_waiting=config.max_waiting,
                           max_logprobs=config.max_logprobs)
     return Engine(runner, limits, data_shards=shards, prefix_cache=caching)
+
+
+def plan_pages(cfg, config: ServingConfig, template, *, shards: int, snapshots: int, device_bytes: int | None,
+               bytes_in_use: int):
+    """The memory plan of one device (`dsv4.memory.MemoryPlan`, its pages per data shard), or
+    None when the device reports no size (CPU: the template's pages are used).
+
+    bytes_in_use: what the device already holds (the loaded parameters). The snapshot pool is
+    reserved next to it. ValueError (from plan_memory) when one max_model_len request does not fit.
+    """
+    from dsv4.memory import plan_memory, state_costs
+
+    if device_bytes is None:
+        return None
+    snapshot_bytes = 0
+    if snapshots:
+        costs = state_costs(cfg, template)
+        snapshot_bytes = snapshots * costs.bytes_per_slot + costs.bytes_per_page
+    return plan_memory(cfg, device_bytes=device_bytes, memory_fraction=config.memory_fraction,
+                       param_bytes=bytes_in_use, max_num_seqs=template.num_slots // shards,
+                       max_model_len=config.max_model_len, page_tokens=template.page_tokens,
+                       max_spec_tokens=template.max_spec_tokens, dtype=template.dtype, reserve_bytes=snapshot_bytes)
+
+
+def check_workspace(workspace_bytes: int | None, *, device_bytes: int, bytes_in_use: int) -> None:
+    """ValueError when the largest compiled step needs more temporaries than the device has left
+    after the parameters and the state (a step would fail with out-of-memory under load)."""
+    left = device_bytes - bytes_in_use
+    if workspace_bytes is not None and workspace_bytes > left:
+        raise ValueError(f"the largest step needs {workspace_bytes:,} B of temporaries but only {left:,} B of "
+                         f"device memory are left after the parameters and the state: lower memory_fraction "
+                         f"or max_num_batched_tokens")
+
+
+def _first_device(model):
+    import jax
+
+    return model.placement.mesh.devices.flat[0] if model.placement is not None else jax.devices()[0]
+
+
+def _bytes_in_use(device) -> int:
+    stats = device.memory_stats() or {}
+    return int(stats.get("bytes_in_use", 0))
 
 
 def load_model(config: ServingConfig):

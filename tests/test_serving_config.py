@@ -71,3 +71,46 @@ def test_file_errors_name_the_problem(tmp_path):
 def test_bad_values_are_named(kw, message):
     with pytest.raises(ValueError, match=message):
         ServingConfig(**kw)
+
+
+def _template(cfg, slots=4, per_seq=8):
+    from dsv4.state import StateGeometry, default_page_tokens
+
+    return StateGeometry(num_slots=slots, num_pages=slots * per_seq, page_tokens=default_page_tokens(cfg),
+                         max_pages_per_seq=per_seq, max_spec_tokens=0)
+
+
+def test_memory_fraction_sizes_the_pages_on_a_device_that_reports_its_size():
+    from dsv4.config import TINY
+    from dsv4.memory import state_costs
+    from serving.config import plan_pages
+
+    cfg = TINY
+    t = _template(cfg)
+    config = ServingConfig(max_num_seqs=4, max_model_len=8 * t.page_tokens, memory_fraction=0.5)
+    assert plan_pages(cfg, config, t, shards=1, snapshots=0, device_bytes=None, bytes_in_use=0) is None
+    costs = state_costs(cfg, t)
+    used = 1 << 20
+    # Room for the parameters, the slots and exactly 10 pages: the plan takes 10, more
+    # room is capped at what 4 full-length requests can use (4 x 8 pages).
+    room = used + 4 * costs.bytes_per_slot + 10 * costs.bytes_per_page
+    plan = plan_pages(cfg, config, t, shards=1, snapshots=0, device_bytes=2 * room, bytes_in_use=used)
+    assert plan.num_pages == 10 and plan.num_slots == 4
+    assert plan_pages(cfg, config, t, shards=1, snapshots=0, device_bytes=10 * room, bytes_in_use=used).num_pages == 32
+    # Snapshots are reserved next to the parameters; two data shards plan half the slots per device.
+    snaps = plan_pages(cfg, config, t, shards=1, snapshots=3, device_bytes=2 * room + 2 * 3 * costs.bytes_per_slot
+                       + 2 * costs.bytes_per_page, bytes_in_use=used)
+    assert snaps.num_pages == 10 and snaps.reserve_bytes == 3 * costs.bytes_per_slot + costs.bytes_per_page
+    assert plan_pages(cfg, config, t, shards=2, snapshots=0, device_bytes=2 * room, bytes_in_use=used).num_slots == 2
+    with pytest.raises(ValueError, match="does not fit"):
+        plan_pages(cfg, config, t, shards=1, snapshots=0, device_bytes=2 * (used + 4 * costs.bytes_per_slot),
+                   bytes_in_use=used)
+
+
+def test_a_step_needing_more_temporaries_than_are_left_is_refused_at_start():
+    from serving.config import check_workspace
+
+    check_workspace(None, device_bytes=100, bytes_in_use=90)
+    check_workspace(10, device_bytes=100, bytes_in_use=90)
+    with pytest.raises(ValueError, match="11 B of temporaries but only 10 B.*lower memory_fraction"):
+        check_workspace(11, device_bytes=100, bytes_in_use=90)

@@ -285,6 +285,8 @@ def test_nothing_compiles_after_warmup_and_an_unwarmed_bucket_is_an_error(tiny_f
     seen = []
     runner.warmup(progress=lambda i, n, b: seen.append((i, n, b)))
     assert [b for _, _, b in seen] == sorted(buckets)
+    workspace = runner.workspace_bytes()  # what make_engine checks against the device's free memory
+    assert workspace is None or workspace > 0
     compiles = []
 
     def listener(event, duration, **kwargs):
