@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 import warnings
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -156,13 +157,16 @@ class StepRunner:
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, config: ModelConfig, geometry: StateGeometry,
                  buckets: Sequence[Bucket], ops: OpSet, *, return_logits: bool = False,
                  policy: CompilePolicy = CompilePolicy.ERROR, placement: Placement | None = None,
-                 max_logprobs: int = 0, snapshot_slots: int = 0):
+                 max_logprobs: int = 0, snapshot_slots: int = 0,
+                 compiler_options: Mapping[str, str | bool | int | float] | None = None):
         """placement: run sharded on a mesh (params are placed onto their shards here, the
         state is allocated sharded, and `ops` run shard-locally where the mesh splits their
         weights: `Placement.shard_ops`); None runs on the default device.
         max_logprobs: N > 0 returns logprobs and the top N per output row (`StepOutputs`).
         snapshot_slots: N > 0 keeps a pool of N slot snapshots (each a copy of one slot's
-        window and compressor rings: `save_slot` / `restore_slot`, for the prefix cache)."""
+        window and compressor rings: `save_slot` / `restore_slot`, for the prefix cache).
+        compiler_options: XLA options for every step program (`Lowered.compile`), e.g.
+        {"xla_gpu_autotune_level": 0}; `compile_seconds` records what each bucket cost."""
         if not buckets:
             raise ValueError("StepRunner needs at least one bucket")
         if not 0 <= max_logprobs <= config.vocab_size:
@@ -190,6 +194,8 @@ class StepRunner:
         self._replicated = None if placement is None else placement.replicated()
         self._last_tokens = jax.device_put(np.zeros(geometry.num_slots, np.int32), self._replicated)
         self._compiled: dict[Bucket, Callable] = {}
+        self.compiler_options = dict(compiler_options or {})
+        self.compile_seconds: dict[Bucket, tuple[float, float]] = {}  # bucket -> (trace + lower, XLA compile)
         self.recompilations = 0  # programs compiled after warm-up (a serving metric)
         self._warm = False
         self.snapshot_slots = snapshot_slots
@@ -248,7 +254,11 @@ class StepRunner:
             with warnings.catch_warnings():
                 # CPU backends cannot donate every buffer; that costs a copy, not correctness.
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-                self._compiled[bucket] = self._step.lower(self.params, self.state, example).compile()
+                t0 = time.perf_counter()
+                lowered = self._step.lower(self.params, self.state, example)
+                t1 = time.perf_counter()
+                self._compiled[bucket] = lowered.compile(compiler_options=self.compiler_options or None)
+                self.compile_seconds[bucket] = (t1 - t0, time.perf_counter() - t1)
         return self._compiled[bucket]
 
     def workspace_bytes(self) -> int | None:

@@ -196,7 +196,7 @@ class EngineLimits:
     max_logprobs: int = 0  # the runner's top-n logprobs width (0: logprobs unsupported)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: queues are searched by `in`, and two requests are never equal
 class _Live:
     """A request inside the engine."""
 
