@@ -119,7 +119,7 @@ def drain_process(demo_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(demo_dir, drain_process):
-    config = ServingConfig(model="tiny", demo_dir=demo_dir, max_num_seqs=4, max_num_batched_tokens=32,
+    config = ServingConfig(model="tiny", demo_dir=demo_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
                            max_model_len=MAX_LEN, bucket_tokens=(4, 32), max_logprobs=3, compilation_cache=None)
     model, tokenizer = load_model(config)
     engine = make_engine(model, config, eos_token_ids=tokenizer.eos_token_ids)

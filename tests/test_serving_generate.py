@@ -23,8 +23,8 @@ from serving import generate
 from serving.engine import FinishReason, RequestOutput, Usage
 from serving.tokenizer import ByteTokenizer, HFTokenizer
 
-SERVING = ["--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "64", "--bucket-tokens", "32",
-           "--no-progress"]
+SERVING = ["--dtype", "float32", "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "64",
+           "--bucket-tokens", "32", "--no-progress"]
 L = 12  # prompt length of the greedy prompts (one teacher-forced logits call for all)
 
 
