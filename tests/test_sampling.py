@@ -135,7 +135,7 @@ def test_top_k_1_is_greedy_for_any_seed_and_temperature():
 
 def test_filters_off_are_bit_identical_to_the_unfiltered_sampler():
     """Including rows with ties, -inf logits, greedy rows, and a batch where another row filters
-    (which switches the whole batch onto the sorting branch)."""
+    (every row goes through the sort; rows without filters must come out as if it had not)."""
     rng = np.random.default_rng(1)
     o, v = 2000, 40
     logits = (rng.normal(size=(o, v)) * rng.choice([0.1, 1.0, 8.0], (o, 1))).astype(np.float32)
