@@ -63,10 +63,20 @@ def sample(logits_OV: jax.Array, temperature_O: jax.Array, top_k_O: jax.Array, t
     waiting for the device, so the step's launch would block until the whole forward had run
     and the host could no longer prepare the next step meanwhile.
     """
-    v = logits_OV.shape[-1]
     greedy = jnp.argmax(logits_OV, axis=-1)
     keys = jax.vmap(row_key, in_axes=(0, 0, None))(seed_O, position_O, Stream.TARGET)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits_OV.shape[-1:], jnp.float32))(keys)
+    hot = temperature_O > 0
+    scaled, keep = filtered(logits_OV, temperature_O, top_k_O, top_p_O, min_p_O)
+    drawn = jnp.argmax(jnp.where(keep, scaled + gumbel, -jnp.inf), axis=-1)
+    return jnp.where(hot, drawn, greedy).astype(jnp.int32)
+
+
+def filtered(logits_OV: jax.Array, temperature_O: jax.Array, top_k_O: jax.Array, top_p_O: jax.Array,
+             min_p_O: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(scaled logits [O, V] f32, kept tokens [O, V] bool) of `sample`'s filters (its docstring);
+    rows with temperature 0 are scaled by 1 and keep everything."""
+    v = logits_OV.shape[-1]
     hot = temperature_O > 0
     scaled = logits_OV.astype(jnp.float32) / jnp.where(hot, temperature_O, 1.0)[:, None]
     top_k_on = (top_k_O > 0) & (top_k_O < v)
@@ -74,9 +84,20 @@ def sample(logits_OV: jax.Array, temperature_O: jax.Array, top_k_O: jax.Array, t
     floor = _sorted_floor(scaled, jnp.where(top_k_on, top_k_O, v), jnp.where(top_p_on, top_p_O, 1.0), top_p_on)
     floor = jnp.where(hot & (top_k_on | top_p_on), floor, -jnp.inf)
     max_s = jnp.max(scaled, axis=-1, keepdims=True)
-    keep = (scaled >= floor[:, None]) & (jnp.exp(scaled - max_s) >= min_p_O[:, None])
-    drawn = jnp.argmax(jnp.where(keep, scaled + gumbel, -jnp.inf), axis=-1)
-    return jnp.where(hot, drawn, greedy).astype(jnp.int32)
+    min_p = jnp.where(hot, min_p_O, 0.0)
+    keep = (scaled >= floor[:, None]) & (jnp.exp(scaled - max_s) >= min_p[:, None])
+    return scaled, keep
+
+
+def probabilities(logits_OV: jax.Array, temperature_O: jax.Array, top_k_O: jax.Array, top_p_O: jax.Array,
+                  min_p_O: jax.Array) -> jax.Array:
+    """The distribution [O, V] (f32) that `sample` draws from with these parameters: softmax of
+    the scaled logits over the kept tokens, or one-hot on the argmax at temperature 0. These
+    are the p and q of speculative verification (`dsv4.speculative`)."""
+    scaled, keep = filtered(logits_OV, temperature_O, top_k_O, top_p_O, min_p_O)
+    probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+    one_hot = jax.nn.one_hot(jnp.argmax(logits_OV, axis=-1), logits_OV.shape[-1], dtype=jnp.float32)
+    return jnp.where((temperature_O > 0)[:, None], probs, one_hot)
 
 
 def _sorted_floor(scaled_OV: jax.Array, k_O: jax.Array, top_p_O: jax.Array, top_p_on_O: jax.Array) -> jax.Array:
