@@ -38,7 +38,8 @@ def row_key(seed: jax.Array, position: jax.Array, stream: Stream) -> jax.Array:
 
 
 def sample(logits_OV: jax.Array, temperature_O: jax.Array, top_k_O: jax.Array, top_p_O: jax.Array,
-           min_p_O: jax.Array, seed_O: jax.Array, position_O: jax.Array) -> jax.Array:
+           min_p_O: jax.Array, seed_O: jax.Array, position_O: jax.Array,
+           stream: Stream = Stream.TARGET) -> jax.Array:
     """Next tokens [O] (int32), each row with its own sampling parameters.
 
     temperature 0: argmax of the raw logits (the filters are ignored). Otherwise, on
@@ -53,8 +54,9 @@ def sample(logits_OV: jax.Array, temperature_O: jax.Array, top_k_O: jax.Array, t
         boundary are all kept and the result never depends on how the sort orders equal values;
       min-p (0 = off): keep tokens with prob >= min_p * max prob, i.e. exp(s - max s) >= min_p
         (renormalising does not change that ratio, and the max token survives every filter).
-    The draw is Gumbel-max over the kept tokens with the row's own TARGET-stream key;
-    `position` is the position the sampled token will take.
+    The draw is Gumbel-max over the kept tokens with the row's own key on `stream` (TARGET for
+    the model's tokens, DRAFT for proposals); `position` is the position the sampled token
+    will take.
 
     Cost: min-p is elementwise. Top-k and top-p need one descending sort of [O, V] and a cumsum,
     O(O V log V), which every step pays: measured on one H200 at V = 129280 (jax 0.11.2), 64
@@ -64,7 +66,7 @@ def sample(logits_OV: jax.Array, temperature_O: jax.Array, top_k_O: jax.Array, t
     and the host could no longer prepare the next step meanwhile.
     """
     greedy = jnp.argmax(logits_OV, axis=-1)
-    keys = jax.vmap(row_key, in_axes=(0, 0, None))(seed_O, position_O, Stream.TARGET)
+    keys = jax.vmap(row_key, in_axes=(0, 0, None))(seed_O, position_O, stream)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits_OV.shape[-1:], jnp.float32))(keys)
     hot = temperature_O > 0
     scaled, keep = filtered(logits_OV, temperature_O, top_k_O, top_p_O, min_p_O)

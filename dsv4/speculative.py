@@ -101,3 +101,37 @@ def verify(target_logits_RJV: jax.Array, draft_tokens_RK: jax.Array, draft_probs
     padded = jnp.concatenate([drafts, jnp.zeros((r, 1), jnp.int32)], axis=1)
     tokens = jnp.where(idx < at, padded, jnp.where(idx == at, emitted[:, None], -1)).astype(jnp.int32)
     return Verdict(accepted=accepted, tokens=tokens)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    """One drafted block per request: tokens d_0..d_{K-1} (d_k for position anchor_pos + 2 + k),
+    the distributions q they were drawn from (Markov-corrected, under the request's own
+    temperature and filters: exactly what `verify` must receive), and the confidence logits."""
+
+    tokens: jax.Array  # [R, K] int32
+    probs: jax.Array  # [R, K, V] f32
+    confidence_logits: jax.Array  # [R, K] f32
+
+
+def propose(head, anchor_R: jax.Array, anchor_pos_R: jax.Array, rings_ZRSH: jax.Array, ring_pos_RS: jax.Array,
+            embed_VD: jax.Array, head_VD: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array,
+            top_p_R: jax.Array, min_p_R: jax.Array, seed_R: jax.Array, ops) -> Proposal:
+    """Draft one block per request with a `dsv4.layers.dspark.DSparkHead` (spec 9.4, 9.5): one
+    pass of the stages for the base logits, then the Markov head left to right, each draft
+    drawn by Gumbel-max on the DRAFT stream (argmax at temperature 0)."""
+    base, xh = head.base_logits(anchor_R, anchor_pos_R, rings_ZRSH, ring_pos_RS, embed_VD, head_VD, ops)
+    prev = anchor_R.astype(jnp.int32)
+    tokens, probs, conf = [], [], []
+    for k in range(base.shape[1]):
+        bias, e = head.markov_bias(prev)
+        logits = base[:, k] + bias
+        position = anchor_pos_R + 2 + k
+        token = sample(logits, temperature_R, top_k_R, top_p_R, min_p_R, seed_R, position, Stream.DRAFT)
+        tokens.append(token)
+        probs.append(probabilities(logits, temperature_R, top_k_R, top_p_R, min_p_R))
+        conf.append(head.confidence_logit(xh[:, k], e))
+        prev = token
+    return Proposal(tokens=jnp.stack(tokens, axis=1), probs=jnp.stack(probs, axis=1),
+                    confidence_logits=jnp.stack(conf, axis=1))
