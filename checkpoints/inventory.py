@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from dsv4.config import ModelConfig
+from dsv4.layers.dspark import DSparkHead
 from dsv4.model import Transformer
 
 # In-memory dtype of a quantized-storage model -> the safetensors dtype on disk.
@@ -50,10 +51,27 @@ def path_name(path: tuple[str | int, ...]) -> str:
     return ".".join(str(p) for p in path)
 
 
+def abstract_draft(cfg: ModelConfig, param_dtype: jnp.dtype) -> DSparkHead:
+    """The DSpark head with ShapeDtypeStruct leaves; its state paths are the `mtp.S.*` names."""
+    return nnx.eval_shape(lambda: DSparkHead(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+
+
 @functools.lru_cache(maxsize=16)
 def tower_inventory(cfg: ModelConfig) -> dict[str, TensorSpec]:
     """Official name -> TensorSpec for every tower tensor of `cfg` in its on-disk formats."""
-    _, state = nnx.split(abstract_model(cfg, jnp.bfloat16))
+    return module_inventory(abstract_model(cfg, jnp.bfloat16))
+
+
+@functools.lru_cache(maxsize=16)
+def draft_inventory(cfg: ModelConfig) -> dict[str, TensorSpec]:
+    """Official name -> TensorSpec for every DSpark-head tensor (`mtp.S.*`, spec 7.4)."""
+    return module_inventory(abstract_draft(cfg, jnp.bfloat16))
+
+
+def module_inventory(module: nnx.Module) -> dict[str, TensorSpec]:
+    """Official name -> TensorSpec for every parameter of an abstract module whose state
+    paths are official names (routed experts unstacked into one tensor per expert)."""
+    _, state = nnx.split(module)
     out: dict[str, TensorSpec] = {}
     for path, var in nnx.to_flat_state(state):
         leaf = var.get_value()

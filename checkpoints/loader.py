@@ -19,10 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from checkpoints.inventory import DRAFT_PREFIX, TensorSpec, abstract_model, path_name, tower_inventory
+from checkpoints.inventory import (DRAFT_PREFIX, TensorSpec, abstract_draft, abstract_model, draft_inventory,
+                                   path_name, tower_inventory)
 from checkpoints.safetensors_io import FLOAT_DTYPES, CheckpointError, CheckpointReader, TensorRef
 from dsv4 import quant
 from dsv4.config import ModelConfig, WeightFormat
+from dsv4.layers.dspark import DSparkHead
 from dsv4.model import Transformer, storage_config
 
 # Maps a parameter's official (stacked) name and shape to where it should live; None = default device.
@@ -50,8 +52,10 @@ class LoadReport:
         return f"loaded {self.n_tensors} tower tensors ({self.n_bytes / 2**20:.1f} MiB) from {self.directory}; {draft}"
 
 
-def check_tensors(reader: CheckpointReader, inventory: dict[str, TensorSpec]) -> None:
-    """Raise one CheckpointError listing every missing, unexpected or mis-shaped tensor."""
+def check_tensors(reader: CheckpointReader, inventory: dict[str, TensorSpec],
+                  others: Callable[[str], bool] = lambda name: name.startswith(DRAFT_PREFIX)) -> None:
+    """Raise one CheckpointError listing every missing, unexpected or mis-shaped tensor
+    (`others`: names that belong to another module and are not checked here)."""
     problems = []
     for name, spec in inventory.items():
         ref = reader.refs.get(name)
@@ -63,7 +67,7 @@ def check_tensors(reader: CheckpointReader, inventory: dict[str, TensorSpec]) ->
         if ref.shape != spec.shape or not dtype_ok:
             problems.append(f"tensor {name}: expected {spec.dtype}{list(spec.shape)}, found {ref.dtype}{list(ref.shape)}")
     for name in reader.names():
-        if name not in inventory and not name.startswith(DRAFT_PREFIX):
+        if name not in inventory and not others(name):
             ref = reader.refs[name]
             problems.append(f"unexpected tensor {name}: {ref.dtype}{list(ref.shape)} has no place in this config")
     if problems:
@@ -101,29 +105,56 @@ def load_checkpoint(directory: str | os.PathLike, *, dtype: jnp.dtype = jnp.bflo
     try:
         inventory = tower_inventory(cfg)
         check_tensors(reader, inventory)
-        model = abstract_model(storage_config(cfg, quantized), dtype)
-        graphdef, state = nnx.split(model)
-        by_path: dict[tuple, list[TensorSpec]] = {}
-        for spec in inventory.values():
-            by_path.setdefault(spec.path, []).append(spec)
-        n_bytes = 0
-        flat = []
-        entries = list(nnx.to_flat_state(state))
-        for i, (path, var) in enumerate(entries):
-            target = var.get_value()
-            specs = by_path[tuple(path)]
-            value = _load_param(reader, specs, target, cfg)
-            n_bytes += value.size * value.dtype.itemsize
-            dest = sharding(path_name(path), tuple(target.shape)) if sharding is not None else None
-            flat.append((path, var.replace(_place(value, dest))))
-            if progress is not None:
-                progress(i + 1, len(entries), n_bytes)
-        state = nnx.from_flat_state(flat)
+        model, n_bytes = _fill(reader, abstract_model(storage_config(cfg, quantized), dtype), inventory, cfg,
+                               sharding, progress)
         draft = {n: r for n, r in reader.refs.items() if n.startswith(DRAFT_PREFIX)}
         report = LoadReport(directory, len(inventory), n_bytes, draft)
-        return nnx.merge(graphdef, state), report
+        return model, report
     finally:
         reader.close()
+
+
+def load_draft(directory: str | os.PathLike, *, dtype: jnp.dtype = jnp.bfloat16, quantized: bool = False,
+               config_overrides: dict | None = None, sharding: ShardingFn | None = None,
+               progress: ProgressFn | None = None) -> DSparkHead:
+    """The DSpark draft head (`mtp.S.*` tensors) of an official checkpoint directory; arguments
+    as `load_checkpoint`. CheckpointError when the config has no DSpark head or its tensors
+    are missing, mis-shaped or unexpected (all named in one error)."""
+    directory = os.fspath(directory)
+    cfg = ModelConfig.from_hf_json(directory, **(config_overrides or {}))
+    if cfg.num_draft_stages < 1 or cfg.dspark_block_size < 1 or not cfg.dspark_target_layer_ids:
+        raise CheckpointError(f"{directory}: the config describes no DSpark head (num_draft_stages "
+                              f"{cfg.num_draft_stages}, dspark_block_size {cfg.dspark_block_size})")
+    reader = CheckpointReader(directory)
+    try:
+        inventory = draft_inventory(cfg)
+        check_tensors(reader, inventory, others=lambda n: not n.startswith(DRAFT_PREFIX))
+        head, _ = _fill(reader, abstract_draft(storage_config(cfg, quantized), dtype), inventory, cfg, sharding,
+                        progress)
+        return head
+    finally:
+        reader.close()
+
+
+def _fill(reader: CheckpointReader, abstract: nnx.Module, inventory: dict[str, TensorSpec], cfg: ModelConfig,
+          sharding: ShardingFn | None, progress: ProgressFn | None) -> tuple[nnx.Module, int]:
+    """The module with every parameter read from the checkpoint and placed; (module, bytes)."""
+    graphdef, state = nnx.split(abstract)
+    by_path: dict[tuple, list[TensorSpec]] = {}
+    for spec in inventory.values():
+        by_path.setdefault(spec.path, []).append(spec)
+    n_bytes = 0
+    flat = []
+    entries = list(nnx.to_flat_state(state))
+    for i, (path, var) in enumerate(entries):
+        target = var.get_value()
+        value = _load_param(reader, by_path[tuple(path)], target, cfg)
+        n_bytes += value.size * value.dtype.itemsize
+        dest = sharding(path_name(path), tuple(target.shape)) if sharding is not None else None
+        flat.append((path, var.replace(_place(value, dest))))
+        if progress is not None:
+            progress(i + 1, len(entries), n_bytes)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat)), n_bytes
 
 
 def _load_param(reader: CheckpointReader, specs: list[TensorSpec], target: jax.ShapeDtypeStruct,

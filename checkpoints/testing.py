@@ -11,16 +11,15 @@ holds the FP8/FP4 weights already decoded, so both must give the same logits.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
 import numpy as np
 
-from checkpoints.inventory import TensorSpec, tower_inventory
+from checkpoints.inventory import TensorSpec, draft_inventory, tower_inventory
 from checkpoints.safetensors_io import DTYPES, write_file, write_index
 from dsv4 import quant
-from dsv4.config import AttentionKind, ModelConfig, RoutingKind, WeightFormat
+from dsv4.config import ModelConfig, WeightFormat
 
 
 def write_tiny_checkpoint(config: ModelConfig, path: str | os.PathLike, seed: int = 0, *, quantized: bool = False,
@@ -39,11 +38,20 @@ def write_tiny_checkpoint(config: ModelConfig, path: str | os.PathLike, seed: in
         weight_format=WeightFormat.FP8 if quantized else WeightFormat.BF16,
         expert_format=WeightFormat.FP4 if quantized else WeightFormat.BF16,
         fake_quant=quantized, num_draft_stages=stages)
+    if stages:  # a DSpark head needs its settings; configs without them get small defaults
+        n = config.num_hidden_layers
+        written = written.replace(
+            dspark_block_size=config.dspark_block_size or 5,
+            dspark_noise_token_id=config.dspark_noise_token_id or config.vocab_size - 1,
+            dspark_target_layer_ids=config.dspark_target_layer_ids or tuple(range(max(0, n - 3), n)),
+            dspark_markov_rank=config.dspark_markov_rank or 16)
     # Random values are drawn at the logical (dense) shapes; the quantized inventory says
     # which tensors are FP8 / FP4 on disk.
     dense_cfg = written.replace(weight_format=WeightFormat.BF16, expert_format=WeightFormat.BF16)
-    disk_format = {n: s.dtype for n, s in tower_inventory(
-        written.replace(weight_format=WeightFormat.FP8, expert_format=WeightFormat.FP4)).items()}
+    on_disk = written.replace(weight_format=WeightFormat.FP8, expert_format=WeightFormat.FP4)
+    disk_format = {n: s.dtype for n, s in tower_inventory(on_disk).items()}
+    if stages:
+        disk_format.update((n, s.dtype) for n, s in draft_inventory(on_disk).items())
     rng = np.random.default_rng(seed)
     shards: dict[str, dict[str, np.ndarray]] = {}
     e8m0: set[str] = set()
@@ -68,8 +76,8 @@ def write_tiny_checkpoint(config: ModelConfig, path: str | os.PathLike, seed: in
 
     for spec in tower_inventory(dense_cfg).values():
         emit(_shard_of(spec.name), spec.name, _random_value(spec, config, rng), disk_format[spec.name])
-    for spec, fmt in _draft_weights(written, stages):
-        emit(f"mtp{spec.name.split('.')[1]}", spec.name, _random_value(spec, config, rng), fmt)
+    for spec in (draft_inventory(dense_cfg).values() if stages else ()):
+        emit(f"mtp{spec.name.split('.')[1]}", spec.name, _random_value(spec, config, rng), disk_format[spec.name])
 
     order = ["embed"] + [f"layer{i}" for i in range(config.num_hidden_layers)] + ["final"] + [
         f"mtp{s}" for s in range(stages)]
@@ -100,38 +108,6 @@ def _shard_of(name: str) -> str:
     if name.startswith("layers."):
         return f"layer{name.split('.')[1]}"
     return "final"
-
-
-def _draft_weights(cfg: ModelConfig, stages: int) -> list[tuple[TensorSpec, str]]:
-    """DSpark stage tensors (spec 7.4) at logical shapes, each with its on-disk format: a
-    sliding-window, score-routed block per stage, plus main_proj/main_norm on stage 0 and the
-    exit (hc_head, norm, Markov and confidence heads) on the last stage. Written so loaders
-    can be tested on complete checkpoints."""
-    if not stages:
-        return []
-    block_cfg = cfg.replace(num_hidden_layers=1, layer_types=(AttentionKind.SLIDING,),
-                            mlp_layer_types=(RoutingKind.SCORE,), dspark_target_layer_ids=())
-    dense = tower_inventory(block_cfg.replace(weight_format=WeightFormat.BF16, expert_format=WeightFormat.BF16))
-    disk = tower_inventory(block_cfg.replace(weight_format=WeightFormat.FP8, expert_format=WeightFormat.FP4))
-    d, v = cfg.hidden_size, cfg.vocab_size
-    rank = cfg.dspark_markov_rank or 16
-    taps = len(cfg.dspark_target_layer_ids) or 3
-    out = []
-    for s in range(stages):
-        prefix = f"mtp.{s}."
-        out += [(dataclasses.replace(spec, name=prefix + name[len("layers.0."):]), disk[name].dtype)
-                for name, spec in dense.items() if name.startswith("layers.0.")]
-        extra = []
-        if s == 0:
-            extra += [("main_proj.weight", (d, taps * d), "F8_E4M3"), ("main_norm.weight", (d,), "BF16")]
-        if s == stages - 1:
-            extra += [("norm.weight", (d,), "BF16"), ("hc_head_fn", (cfg.hc_mult, cfg.hc_mult * d), "F32"),
-                      ("hc_head_base", (cfg.hc_mult,), "F32"), ("hc_head_scale", (1,), "F32"),
-                      ("markov_head.markov_w1.weight", (v, rank), "BF16"),
-                      ("markov_head.markov_w2.weight", (v, rank), "BF16"),
-                      ("confidence_head.proj.weight", (1, d + rank), "BF16")]
-        out += [(TensorSpec(prefix + n, (), None, shape, "BF16"), dt) for n, shape, dt in extra]
-    return out
 
 
 def _random_value(spec: TensorSpec, cfg: ModelConfig, rng: np.random.Generator) -> np.ndarray:

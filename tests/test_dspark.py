@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from checkpoints.testing import write_tiny_checkpoint
 from dsv4.config import TINY
 from dsv4.layers.dspark import RING, DSparkHead
 from dsv4.ops.registry import ops_for
@@ -147,3 +148,34 @@ def test_a_request_drafts_the_same_block_alone_and_in_a_batch(head, tables):
 def test_a_config_without_a_draft_head_is_refused():
     with pytest.raises(ValueError, match="no DSpark head"):
         DSparkHead(TINY, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+
+def test_the_head_loads_from_an_official_checkpoint(tmp_path):
+    """Every `mtp.*` tensor the writer emits has a place in the head (and the reverse); the
+    quantized checkpoint and its dense twin draft the same block."""
+    from checkpoints.inventory import draft_inventory
+    from checkpoints.loader import load_draft
+    from checkpoints.safetensors_io import CheckpointReader
+    from dsv4.config import ModelConfig
+
+    heads = {}
+    for quantized in (False, True):
+        path = tmp_path / f"q{int(quantized)}"
+        write_tiny_checkpoint(CFG, path, seed=4, quantized=quantized, float_dtype="F32")
+        reader = CheckpointReader(str(path))
+        cfg = ModelConfig.from_hf_json(str(path))
+        on_disk = {n for n in reader.names() if n.startswith("mtp.")}
+        reader.close()
+        expected = set(draft_inventory(cfg))
+        scales = {n.rsplit(".", 1)[0] + ".scale" for n in expected if n.endswith(".weight")} & on_disk
+        assert on_disk == expected | scales
+        heads[quantized] = load_draft(path, dtype=jnp.float32, quantized=quantized,
+                                      config_overrides={"fake_quant": False})  # the twins differ only in storage
+    rng = np.random.default_rng(5)
+    embed = jnp.asarray(rng.normal(size=(CFG.vocab_size, CFG.hidden_size)), jnp.float32)
+    out = {}
+    for quantized, head in heads.items():
+        rings, ring_pos = context(head, 2, 20, np.random.default_rng(6))
+        base, _ = head.base_logits(jnp.array([3, 4]), jnp.array([20, 20]), rings, ring_pos, embed, embed * 0.1, OPS)
+        out[quantized] = np.asarray(base)
+    np.testing.assert_allclose(out[True], out[False], rtol=1e-4, atol=1e-4)
