@@ -1,7 +1,7 @@
 """Does launching a step return before the device has run it? The host/device overlap check.
 
     python -m bench.overlap [--config tiny|flash] [--layers 4] [--requests 32] [--steps 20]
-        [--sampling greedy|top_p] [--sinkhorn-unrolled] [--json PATH]
+        [--sampling greedy|top_p] [--json PATH]
 
 The engine plans and packs step n+1 while the device runs step n, which only works when
 `StepRunner.dispatch` returns at once. Anything in the program that makes the launch wait
@@ -12,10 +12,6 @@ and the seconds until its outputs are on the host (`collect`), for `--requests` 
 requests (one token each) in one bucket. Reported: median dispatch ms, median step ms
 (dispatch + collect) and the overlap share 1 - dispatch / step (near 1: the launch is
 asynchronous; near 0: the host waits for the device).
-
-`--sinkhorn-unrolled` is an A/B switch: it runs the mHC Sinkhorn normalisation fully
-unrolled (`fori_loop(..., unroll=True)`, as it was written before 2026-11-30) instead of as a
-loop, by swapping the `fori_loop` that `dsv4.layers.mhc` calls; the model code is unchanged.
 """
 
 from __future__ import annotations
@@ -26,7 +22,6 @@ import json
 import math
 import sys
 import time
-import types
 
 import jax
 import numpy as np
@@ -47,25 +42,12 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--sampling", choices=("greedy", "top_p"), default="top_p",
                    help="top_p: temperature 0.8, top_p 0.95 on every row; greedy: temperature 0")
-    p.add_argument("--sinkhorn-unrolled", action="store_true", help="unroll the mHC Sinkhorn loop (A/B)")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 
-def unroll_sinkhorn() -> None:
-    """Make `dsv4.layers.mhc` unroll its `fori_loop` (for this process)."""
-    import dsv4.layers.mhc as mhc
-
-    loop = jax.lax.fori_loop
-    lax = types.SimpleNamespace(**{k: getattr(jax.lax, k) for k in dir(jax.lax) if not k.startswith("__")})
-    lax.fori_loop = lambda lo, hi, body, init: loop(lo, hi, body, init, unroll=True)
-    mhc.jax = types.SimpleNamespace(lax=lax, nn=jax.nn, Array=jax.Array)
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.sinkhorn_unrolled:
-        unroll_sinkhorn()
     dtype_name = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     cfg = TINY if args.config == "tiny" else bench_config(FLASH, args.layers)
     graphdef, params = build_params(cfg, DTYPES[dtype_name], seed=0)
@@ -95,7 +77,7 @@ def main(argv=None) -> dict:
     d, s = float(np.median(dispatch_s)) * 1e3, float(np.median(step_s)) * 1e3
     result = dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind),
                   jax=jax.__version__, config=args.config, layers=cfg.num_hidden_layers, requests=n,
-                  sampling=args.sampling, sinkhorn_unrolled=args.sinkhorn_unrolled, dispatch_ms=round(d, 3), step_ms=round(s, 3),
+                  sampling=args.sampling, dispatch_ms=round(d, 3), step_ms=round(s, 3),
                   overlap_share=round(1 - d / s, 3),
                   command="python -m bench.overlap " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"{result['device']}: {n} requests, {args.sampling}: dispatch {d:.3f} ms of a {s:.3f} ms step "
