@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv4.batch import Chunk
+from dsv4.batch import Chunk, pack_batch
 from dsv4.layers.dspark import RING, DSparkHead
 from dsv4.ops.registry import OpSet
 from dsv4.speculative import propose, verify
@@ -99,7 +99,10 @@ class SpeculativeGenerator:
     and a draft state while it runs; one request per slot, all admitted at once."""
 
     def __init__(self, runner: StepRunner, head: DSparkHead, embed_VD: jax.Array, head_VD: jax.Array, ops: OpSet,
-                 *, num_speculative_tokens: int | None = None):
+                 *, num_speculative_tokens: int | None = None, fused: bool = False):
+        """runner: the target's StepRunner (logits returned, tap rows in its buckets) whose
+        state this generator uses. fused: run each round as one program (`make_spec_step`:
+        drafts stay on the device) instead of the reference's separate programs."""
         cfg = head.cfg
         k = num_speculative_tokens or cfg.dspark_block_size
         if not 1 <= k <= cfg.dspark_block_size:
@@ -123,6 +126,13 @@ class SpeculativeGenerator:
         self._commit = jax.jit(_commit)
         self._verify = jax.jit(verify)
         self._init = lambda: init_draft_state(head, runner.geometry.num_slots, embed_VD.dtype)
+        self.fused = fused
+        if fused:
+            step = make_spec_step(runner.graphdef, graphdef, runner.geometry, ops, k)
+            self._fused = jax.jit(step, donate_argnums=(2, 3, 4))
+            v, n = cfg.vocab_size, runner.geometry.num_slots
+            self._init_pending = lambda: Pending(tokens=jnp.zeros((n, k), jnp.int32),
+                                                 probs=jnp.zeros((n, k, v), jnp.float32))
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
                  seeds: Sequence[int]) -> tuple[list[list[int]], SpecStats]:
@@ -137,12 +147,64 @@ class SpeculativeGenerator:
         reqs = [_Request(i, list(map(int, p)), max_new_tokens, int(seeds[i]), slot=i) for i, p in enumerate(prompts)]
         self.runner.reset_state()
         draft = self._init()
+        if self.fused:
+            self._pending = self._init_pending()
+        prefill, round_ = (self._prefill_fused, self._round_fused) if self.fused else (self._prefill, self._round)
         for r in reqs:
-            draft = self._prefill(r, draft, temperature)
+            draft = prefill(r, draft, temperature)
         while any(len(r.generated) < r.max_new for r in reqs):
             live = [r for r in reqs if len(r.generated) < r.max_new]
-            draft = self._round(live, draft, temperature)
+            draft = round_(live, draft, temperature)
         return [r.generated for r in reqs], SpecStats([r.drafted for r in reqs], [r.accepted for r in reqs])
+
+    def _lengths(self, live: list[_Request]) -> list[int]:
+        """Drafts each request verifies: K, but never past its last token (L <= tokens left - 1)."""
+        return [min(self.k, r.max_new - len(r.generated) - 1) for r in live]
+
+    def _verify_chunk(self, r: _Request, length: int, drafts: Sequence[int], temperature: float) -> Chunk:
+        return Chunk(slot=r.slot, start=r.committed, tokens=[r.generated[-1], *drafts], pages=self._pages(r),
+                     outputs=list(range(length + 1)), temperature=temperature, seed=r.seed,
+                     taps=list(range(length + 1)))
+
+    @staticmethod
+    def _take(live: list[_Request], lengths: list[int], accepted: np.ndarray, tokens: np.ndarray) -> None:
+        for i, r in enumerate(live):
+            a = int(accepted[i])
+            r.drafted += lengths[i]
+            r.accepted += a
+            r.generated += tokens[i, :a + 1].tolist()
+
+    def _run_fused(self, chunks: list[Chunk], spec_lens: list[int], draft: DraftState):
+        runner = self.runner
+        bucket = runner.bucket_for(sum(len(c.tokens) for c in chunks), len(chunks),
+                                   sum(len(c.outputs) for c in chunks), sum(len(c.taps) for c in chunks))
+        batch = pack_batch(chunks, bucket, self.geometry)
+        spec = pack_spec(chunks, spec_lens, bucket.tokens, bucket.requests)
+        runner.state, draft, self._pending, out = self._fused(runner.params, self._head_params, runner.state, draft,
+                                                              self._pending, batch, spec)
+        return draft, jax.device_get(out)
+
+    def _prefill_fused(self, r: _Request, draft: DraftState, temperature: float) -> DraftState:
+        budget = self.runner.buckets[-1].tokens
+        start = 0
+        while start < len(r.prompt):
+            n = min(budget, len(r.prompt) - start)
+            last = start + n == len(r.prompt)
+            taps = [i for i in range(n) if start + i >= len(r.prompt) - RING]
+            chunk = Chunk(slot=r.slot, start=start, tokens=r.prompt[start:start + n], pages=self._pages(r),
+                          outputs=[n - 1] if last else [], temperature=temperature, seed=r.seed, taps=taps)
+            draft, out = self._run_fused([chunk], [0 if last else -1], draft)
+            if last:
+                r.generated.append(int(out.tokens[0, 0]))
+            start += n
+        return draft
+
+    def _round_fused(self, live: list[_Request], draft: DraftState, temperature: float) -> DraftState:
+        lengths = self._lengths(live)
+        chunks = [self._verify_chunk(r, n, [0] * n, temperature) for r, n in zip(live, lengths)]  # drafts on device
+        draft, out = self._run_fused(chunks, lengths, draft)
+        self._take(live, lengths, out.accepted, out.tokens)
+        return draft
 
     def _pages(self, r: _Request) -> list[int]:
         n = self.geometry.max_pages_per_seq
@@ -180,11 +242,9 @@ class SpeculativeGenerator:
                              f32(temperature), jnp.zeros((n,), jnp.int32), f32(1.0), f32(0.0),
                              jnp.asarray([r.seed for r in live], jnp.uint32))
         drafts = np.asarray(prop.tokens)
-        # The last token a request may still take is never drafted past: L = min(K, tokens left - 1).
-        lengths = [min(self.k, r.max_new - len(r.generated) - 1) for r in live]
-        chunks = [Chunk(slot=r.slot, start=r.committed, tokens=[r.generated[-1], *drafts[i, :lengths[i]].tolist()],
-                        pages=self._pages(r), outputs=list(range(lengths[i] + 1)), temperature=temperature,
-                        seed=r.seed, taps=list(range(lengths[i] + 1))) for i, r in enumerate(live)]
+        lengths = self._lengths(live)
+        chunks = [self._verify_chunk(r, lengths[i], drafts[i, :lengths[i]].tolist(), temperature)
+                  for i, r in enumerate(live)]
         out = self.runner.run(chunks)
         k = self.k
         v = out.logits.shape[-1]
@@ -206,9 +266,130 @@ class SpeculativeGenerator:
             positions += [r.committed + j for j in range(a + 1)]
             tap_slots += [r.slot] * (a + 1)
             row += lengths[i] + 1
-            r.drafted += lengths[i]
-            r.accepted += a
-            r.generated += tokens[i, :a + 1].tolist()
+        self._take(live, lengths, accepted, tokens)
         t = len(positions)
         return self._commit(self._head_params, draft, jnp.asarray(out.taps[tap_rows]),
                             jnp.asarray(positions, jnp.int32), jnp.asarray(tap_slots, jnp.int32), jnp.ones((t,), bool))
+
+
+# ---- the fused step: verify, commit context and draft the next block in one program --------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """Each slot's latest proposal, kept on the device for the next step: tokens [S, K] and
+    the distributions they were drawn from [S, K, V] (f32)."""
+
+    tokens: jax.Array
+    probs: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecBatch:
+    """Speculative fields of a step, next to its `StepBatch`.
+
+    spec_len [R]: drafts the request verifies (0..K: its chunk is [anchor, d_0..d_{L-1}] with
+        an output on every row, or a prefill chunk whose last row is its only output, L = 0);
+        -1 for a prefill chunk that is not the prompt's last (no output, nothing drafted).
+    req_out_first [R]: the request's first output row.
+    from_draft [T]: j > 0 where the row's token is the slot's pending draft j - 1 (the host
+        never reads drafts; the device substitutes them).
+    """
+
+    spec_len: jax.Array
+    req_out_first: jax.Array
+    from_draft: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecOutputs:
+    """Per request row: `accepted` [R] drafts accepted and `tokens` [R, K+1] it commits
+    (-1 past accepted + 1; see `speculative.Verdict`); `confidence_logits` [R, K] of the block
+    drafted for the next step."""
+
+    accepted: jax.Array
+    tokens: jax.Array
+    confidence_logits: jax.Array
+
+
+def pack_spec(chunks: Sequence[Chunk], spec_lens: Sequence[int], tokens: int, requests: int) -> SpecBatch:
+    """The SpecBatch of `chunks` (as packed by `pack_batch`): a chunk with spec_len L >= 1 has
+    tokens [anchor, L placeholders] and outputs on all L + 1 rows."""
+    spec = dict(spec_len=np.full(requests, -1, np.int32), req_out_first=np.zeros(requests, np.int32),
+                from_draft=np.zeros(tokens, np.int32))
+    row = out = 0
+    for i, (c, length) in enumerate(zip(chunks, spec_lens)):
+        n = len(c.tokens)
+        if length >= 1 and (n != length + 1 or list(c.outputs) != list(range(n))):
+            raise ValueError(f"slot {c.slot}: verifying {length} drafts needs [anchor, {length} drafts] with an "
+                             f"output on every row, got {n} tokens and outputs {list(c.outputs)}")
+        if length == 0 and len(c.outputs) != 1:
+            raise ValueError(f"slot {c.slot}: a chunk without drafts needs exactly one output, got {list(c.outputs)}")
+        spec["spec_len"][i] = length if c.outputs else -1
+        spec["req_out_first"][i] = out
+        spec["from_draft"][row + 1:row + 1 + max(length, 0)] = np.arange(1, max(length, 0) + 1)
+        out += len(c.outputs)
+        row += n
+    return SpecBatch(**spec)
+
+
+def make_spec_step(graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, geometry, ops: OpSet, k: int):
+    """The pure fused step: the target's step over the batch, `verify` of every request's
+    drafts, the committed positions' taps into the draft rings, and the next block drafted
+    from each request's newest token. (params, head_params, state, draft, pending, batch,
+    spec) -> (state, draft, pending, SpecOutputs)."""
+    def step(params, head_params, state, draft: DraftState, pending: Pending, batch, spec: SpecBatch):
+        model = nnx.merge(graphdef, params)
+        head = nnx.merge(head_graphdef, head_params)
+        t = batch.tokens.shape[0]
+        r = batch.req_slot.shape[0]
+        s = pending.tokens.shape[0]
+        rows = jnp.arange(t)
+        req_of_row = jnp.clip(batch.token_req, 0, r - 1)
+        slot_of_row = jnp.clip(batch.req_slot[req_of_row], 0, s - 1)
+        j = jnp.clip(spec.from_draft - 1, 0, k - 1)
+        tokens = jnp.where(spec.from_draft > 0, pending.tokens[slot_of_row, j], batch.tokens)
+        batch = dataclasses.replace(batch, tokens=tokens)
+        state, logits, taps = model.step(state, batch, geometry, ops)
+
+        # Verification, one row of [K + 1] output rows per request.
+        o = logits.shape[0]
+        first = spec.req_out_first
+        out_idx = jnp.clip(first[:, None] + jnp.arange(k + 1)[None, :], 0, o - 1)
+        live = spec.spec_len >= 0
+        slot = jnp.clip(batch.req_slot, 0, s - 1)
+        out_row_tok = jnp.clip(batch.out_rows[jnp.clip(first, 0, o - 1)], 0, t - 1)
+        token_pos = batch.req_start + out_row_tok - batch.req_first_row  # position of the first output's token
+        params_r = [a[jnp.clip(first, 0, o - 1)] for a in (batch.out_temperature, batch.out_top_k, batch.out_top_p,
+                                                            batch.out_min_p, batch.out_seed)]
+        temperature, top_k, top_p, min_p, seed = params_r
+        verdict = verify(logits[out_idx], pending.tokens[slot], pending.probs[slot], jnp.maximum(spec.spec_len, 0),
+                         temperature, top_k, top_p, min_p, seed, token_pos + 1)
+
+        # Context: a tapped row is committed when it lies at or before the newest accepted token.
+        tap_ok = batch.tap_rows >= 0
+        tap_row = jnp.clip(batch.tap_rows, 0, t - 1)
+        tap_req = jnp.clip(batch.token_req[tap_row], 0, r - 1)
+        offset = tap_row - batch.req_first_row[tap_req]
+        committed_upto = jnp.where(live, out_row_tok - batch.req_first_row + verdict.accepted, jnp.iinfo(jnp.int32).max)
+        tap_ok &= (batch.token_req[tap_row] < r) & (offset <= committed_upto[tap_req])
+        draft = commit_context(head, draft, taps, batch.req_start[tap_req] + offset,
+                               batch.req_slot[tap_req], tap_ok)
+
+        # The next block, from each request's newest token.
+        anchor = jnp.take_along_axis(verdict.tokens, verdict.accepted[:, None], axis=1)[:, 0]
+        anchor_pos = token_pos + verdict.accepted  # the newest committed position
+        embed, lm_head = params["embed"]["weight"][...], params["head"]["weight"][...]
+        prop = propose(head, anchor, anchor_pos, draft.rings[:, slot], draft.ring_pos[slot], embed, lm_head,
+                       temperature, top_k, top_p, min_p, seed, ops)
+        write = jnp.where(live & (batch.req_slot >= 0), batch.req_slot, s)  # out of range: dropped
+        pending = Pending(tokens=pending.tokens.at[write].set(prop.tokens, mode="drop"),
+                          probs=pending.probs.at[write].set(prop.probs, mode="drop"))
+        return state, draft, pending, SpecOutputs(accepted=jnp.where(live, verdict.accepted, 0),
+                                                  tokens=jnp.where(live[:, None], verdict.tokens, -1),
+                                                  confidence_logits=prop.confidence_logits)
+
+    return step

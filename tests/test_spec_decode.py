@@ -83,3 +83,20 @@ def test_seeded_sampling_under_speculation_does_not_depend_on_the_batch(generato
     assert busy[1] == alone[0]
     again, _ = generator.generate([PROMPTS[2], PROMPTS[1]], 20, temperature=0.9, seeds=[5, 7])
     assert again[1] == alone[0] and again[0] == busy[2]
+
+
+@pytest.fixture(scope="module")
+def fused(generator, loaded):
+    _, head = loaded
+    return SpeculativeGenerator(generator.runner, head, generator._embed, generator._lm_head, ops_for("reference"),
+                                fused=True)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_the_fused_step_equals_the_reference_loop(generator, fused, temperature):
+    """One program per round (drafts kept on the device) against the reference's separate
+    programs: the same tokens and the same acceptance, greedy and sampled."""
+    want, want_stats = generator.generate(PROMPTS, 26, temperature=temperature, seeds=[4, 5, 6])
+    got, stats = fused.generate(PROMPTS, 26, temperature=temperature, seeds=[4, 5, 6])
+    assert got == want
+    assert (stats.drafted, stats.accepted) == (want_stats.drafted, want_stats.accepted)
