@@ -127,6 +127,8 @@ class SpeculativeGenerator:
         self._verify = jax.jit(verify)
         self._init = lambda: init_draft_state(head, runner.geometry.num_slots, embed_VD.dtype)
         self.fused = fused
+        self._draft: DraftState | None = None
+        self._pending: Pending | None = None
         if fused:
             step = make_spec_step(runner.graphdef, graphdef, runner.geometry, ops, k)
             self._fused = jax.jit(step, donate_argnums=(2, 3, 4))
@@ -146,8 +148,11 @@ class SpeculativeGenerator:
                                  f"{self.k} speculative exceed the state's {geo.max_seq_len} positions")
         reqs = [_Request(i, list(map(int, p)), max_new_tokens, int(seeds[i]), slot=i) for i, p in enumerate(prompts)]
         self.runner.reset_state()
-        draft = self._init()
-        if self.fused:
+        # The fused path keeps its rings from call to call, as a server would from request to
+        # request (a request's first chunk makes its slot forget the last one's positions);
+        # the reference starts from empty rings every call.
+        draft = self._draft if self.fused and self._draft is not None else self._init()
+        if self.fused and self._pending is None:
             self._pending = self._init_pending()
         prefill, round_ = (self._prefill_fused, self._round_fused) if self.fused else (self._prefill, self._round)
         for r in reqs:
@@ -155,6 +160,7 @@ class SpeculativeGenerator:
         while any(len(r.generated) < r.max_new for r in reqs):
             live = [r for r in reqs if len(r.generated) < r.max_new]
             draft = round_(live, draft, temperature)
+        self._draft = draft if self.fused else None
         return [r.generated for r in reqs], SpecStats([r.drafted for r in reqs], [r.accepted for r in reqs])
 
     def _lengths(self, live: list[_Request]) -> list[int]:
@@ -174,12 +180,12 @@ class SpeculativeGenerator:
             r.accepted += a
             r.generated += tokens[i, :a + 1].tolist()
 
-    def _run_fused(self, chunks: list[Chunk], spec_lens: list[int], draft: DraftState):
+    def _run_fused(self, chunks: list[Chunk], spec_lens: list[int], draft: DraftState, fresh: Sequence[bool] = ()):
         runner = self.runner
         bucket = runner.bucket_for(sum(len(c.tokens) for c in chunks), len(chunks),
                                    sum(len(c.outputs) for c in chunks), sum(len(c.taps) for c in chunks))
         batch = pack_batch(chunks, bucket, self.geometry)
-        spec = pack_spec(chunks, spec_lens, bucket.tokens, bucket.requests)
+        spec = pack_spec(chunks, spec_lens, bucket.tokens, bucket.requests, fresh)
         runner.state, draft, self._pending, out = self._fused(runner.params, self._head_params, runner.state, draft,
                                                               self._pending, batch, spec)
         return draft, jax.device_get(out)
@@ -296,11 +302,15 @@ class SpecBatch:
     req_out_first [R]: the request's first output row.
     from_draft [T]: j > 0 where the row's token is the slot's pending draft j - 1 (the host
         never reads drafts; the device substitutes them).
+    fresh [R]: 1 on a request's first chunk in its slot: the slot's ring positions are
+        forgotten first (they belong to the slot's previous request; positions a prefix-cache
+        hit skipped are thereby never visible to the draft).
     """
 
     spec_len: jax.Array
     req_out_first: jax.Array
     from_draft: jax.Array
+    fresh: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -315,11 +325,15 @@ class SpecOutputs:
     confidence_logits: jax.Array
 
 
-def pack_spec(chunks: Sequence[Chunk], spec_lens: Sequence[int], tokens: int, requests: int) -> SpecBatch:
+def pack_spec(chunks: Sequence[Chunk], spec_lens: Sequence[int], tokens: int, requests: int,
+              fresh: Sequence[bool] = ()) -> SpecBatch:
     """The SpecBatch of `chunks` (as packed by `pack_batch`): a chunk with spec_len L >= 1 has
-    tokens [anchor, L placeholders] and outputs on all L + 1 rows."""
+    tokens [anchor, L placeholders] and outputs on all L + 1 rows; `fresh` marks requests new
+    to their slot (default: those whose chunk starts at position 0)."""
+    fresh = list(fresh) or [c.start == 0 for c in chunks]
     spec = dict(spec_len=np.full(requests, -1, np.int32), req_out_first=np.zeros(requests, np.int32),
-                from_draft=np.zeros(tokens, np.int32))
+                from_draft=np.zeros(tokens, np.int32), fresh=np.zeros(requests, np.int32))
+    spec["fresh"][:len(fresh)] = fresh
     row = out = 0
     for i, (c, length) in enumerate(zip(chunks, spec_lens)):
         n = len(c.tokens)
@@ -369,6 +383,9 @@ def make_spec_step(graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, geometry
         verdict = verify(logits[out_idx], pending.tokens[slot], pending.probs[slot], jnp.maximum(spec.spec_len, 0),
                          temperature, top_k, top_p, min_p, seed, token_pos + 1)
 
+        # A slot's first request chunk forgets the ring positions of the slot's last request.
+        forget = jnp.where((spec.fresh > 0) & (batch.req_slot >= 0), batch.req_slot, s)
+        draft = dataclasses.replace(draft, ring_pos=draft.ring_pos.at[forget].set(-1, mode="drop"))
         # Context: a tapped row is committed when it lies at or before the newest accepted token.
         tap_ok = batch.tap_rows >= 0
         tap_row = jnp.clip(batch.tap_rows, 0, t - 1)

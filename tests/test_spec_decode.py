@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -15,7 +18,8 @@ from checkpoints.loader import load_draft
 from checkpoints.testing import write_tiny_checkpoint
 from dsv4.config import TINY
 from dsv4.ops.registry import ops_for
-from dsv4.spec_decode import SpeculativeGenerator
+from dsv4.batch import Chunk
+from dsv4.spec_decode import SpeculativeGenerator, _Request
 from dsv4.state import StateGeometry, default_page_tokens
 from dsv4.step import StepRunner, make_buckets
 
@@ -100,3 +104,35 @@ def test_the_fused_step_equals_the_reference_loop(generator, fused, temperature)
     got, stats = fused.generate(PROMPTS, 26, temperature=temperature, seeds=[4, 5, 6])
     assert got == want
     assert (stats.drafted, stats.accepted) == (want_stats.drafted, want_stats.accepted)
+
+
+def test_rings_kept_from_call_to_call_change_nothing(loaded, generator, fused):
+    """The fused generator keeps its draft rings and pending drafts from call to call, as a
+    server keeps them from request to request: a request in a reused slot drafts exactly as
+    with a new generator."""
+    fused.generate([PROMPTS[2], PROMPTS[1]], 30, seeds=[1, 2])  # slots 0 and 1 now hold long contexts
+    got, stats = fused.generate([PROMPTS[0]], 24, seeds=[3])
+    _, head = loaded
+    fresh = SpeculativeGenerator(generator.runner, head, generator._embed, generator._lm_head, ops_for("reference"),
+                                 fused=True)
+    want, want_stats = fresh.generate([PROMPTS[0]], 24, seeds=[3])
+    assert got == want and (stats.drafted, stats.accepted) == (want_stats.drafted, want_stats.accepted)
+
+
+def test_a_fresh_request_forgets_its_slots_positions_even_when_it_starts_late(fused):
+    """A request's first chunk may start past 0 (a prefix-cache hit): the slot's ring positions
+    from its previous request must go, so positions this request never computed stay masked."""
+    fused.generate([PROMPTS[2]], 10, seeds=[1])  # slot 0 now holds positions 0..48
+    prompt = PROMPTS[2]
+    start = 32
+    chunk = Chunk(slot=0, start=start, tokens=prompt[start:], pages=fused._pages(_Request(0, prompt, 1, 0, slot=0)),
+                  outputs=[len(prompt) - start - 1], taps=list(range(len(prompt) - start)))
+    before = fused._draft
+    kept = jax.tree.map(jnp.copy, before)  # the step donates its draft state
+    draft, _ = fused._run_fused([chunk], [0], before, fresh=[True])
+    held = np.asarray(draft.ring_pos[0])
+    assert sorted(held[held >= 0].tolist()) == list(range(start, len(prompt)))
+    draft, _ = fused._run_fused([chunk], [0], kept, fresh=[False])  # not fresh: the old positions stay
+    held = np.asarray(draft.ring_pos[0])
+    assert set(range(start)) <= set(held.tolist())
+    fused._draft = None  # leave the generator with fresh rings
