@@ -26,6 +26,7 @@ Conventions shared by every scale rule (spec 6.2, "ue8m0"):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -512,3 +513,31 @@ def decode_indexer_fp8(vals_f8: ArrayLike, scale_u8: ArrayLike, out_dtype: DType
     if q.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"indexer FP8 values must be float8_e4m3fn, got dtype {q.dtype}")
     return _dequantize_indexer(q.astype(jnp.float32), scale_u8, out_dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Rows:
+    """A matrix [N, D] stored as float8_e4m3fn codes with one f32 scale per row:
+    row n = codes[n] * scale[n] (scale = amax(|row|) / 448, so each row uses the full range)."""
+
+    codes: jax.Array  # [N, D] float8_e4m3fn
+    scale: jax.Array  # [N] f32
+
+
+def quant_fp8_rows(w: ArrayLike) -> Fp8Rows:
+    """Row-wise FP8 of a matrix [N, D] (a zero row gets scale 1)."""
+    w = jnp.asarray(w, jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=-1)
+    scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0)
+    return Fp8Rows(codes=(w / scale[:, None]).astype(jnp.float8_e4m3fn), scale=scale)
+
+
+def fp8_rows_matmul(x_TD: ArrayLike, w: Fp8Rows) -> jax.Array:
+    """x @ w^T [T, N] in f32 with both operands in FP8: x quantised per row (token) on the fly,
+    the product of codes accumulated in f32 (FP8 tensor cores where the device has them), then
+    scaled by the two rows' scales."""
+    x = jnp.asarray(x_TD, jnp.float32)
+    xq = quant_fp8_rows(x)
+    acc = jnp.einsum("td,nd->tn", xq.codes, w.codes, preferred_element_type=jnp.float32)
+    return acc * xq.scale[:, None] * w.scale[None, :]

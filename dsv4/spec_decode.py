@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsv4 import quant
 from dsv4.batch import Chunk, pack_batch
 from dsv4.layers.dspark import RING, DSparkHead
 from dsv4.ops.registry import OpSet
@@ -99,10 +100,11 @@ class SpeculativeGenerator:
     and a draft state while it runs; one request per slot, all admitted at once."""
 
     def __init__(self, runner: StepRunner, head: DSparkHead, embed_VD: jax.Array, head_VD: jax.Array, ops: OpSet,
-                 *, num_speculative_tokens: int | None = None, fused: bool = False):
+                 *, num_speculative_tokens: int | None = None, fused: bool = False, draft_fp8_head: bool = False):
         """runner: the target's StepRunner (logits returned, tap rows in its buckets) whose
         state this generator uses. fused: run each round as one program (`make_spec_step`:
-        drafts stay on the device) instead of the reference's separate programs."""
+        drafts stay on the device) instead of the reference's separate programs.
+        draft_fp8_head: the draft's LM-head matmul in row-wise FP8 (`quant.Fp8Rows`)."""
         cfg = head.cfg
         k = num_speculative_tokens or cfg.dspark_block_size
         if not 1 <= k <= cfg.dspark_block_size:
@@ -114,9 +116,12 @@ class SpeculativeGenerator:
         graphdef, params = nnx.split(head)
         self._head_params = params
         self._embed, self._lm_head = embed_VD, head_VD
+        draft_head = quant.quant_fp8_rows(head_VD) if draft_fp8_head else head_VD
+        self._draft_lm_head = draft_head
 
-        def _propose(params, anchor, pos, rings, ring_pos, t, top_k, top_p, min_p, seed):
-            return propose(nnx.merge(graphdef, params), anchor, pos, rings, ring_pos, embed_VD, head_VD, t, top_k,
+        def _propose(params, embed, lm_head, anchor, pos, rings, ring_pos, t, top_k, top_p, min_p, seed):
+            # The tables are arguments, not constants baked into the program.
+            return propose(nnx.merge(graphdef, params), anchor, pos, rings, ring_pos, embed, lm_head, t, top_k,
                            top_p, min_p, seed, ops)
 
         def _commit(params, state, taps, positions, slots, valid):
@@ -187,7 +192,7 @@ class SpeculativeGenerator:
         batch = pack_batch(chunks, bucket, self.geometry)
         spec = pack_spec(chunks, spec_lens, bucket.tokens, bucket.requests, fresh)
         runner.state, draft, self._pending, out = self._fused(runner.params, self._head_params, runner.state, draft,
-                                                              self._pending, batch, spec)
+                                                              self._pending, batch, spec, self._draft_lm_head)
         return draft, jax.device_get(out)
 
     def _prefill_fused(self, r: _Request, draft: DraftState, temperature: float) -> DraftState:
@@ -244,9 +249,9 @@ class SpeculativeGenerator:
         anchor = jnp.asarray([r.generated[-1] for r in live], jnp.int32)
         anchor_pos = jnp.asarray([r.committed - 1 for r in live], jnp.int32)  # newest position with context
         slots = np.asarray([r.slot for r in live])
-        prop = self._propose(self._head_params, anchor, anchor_pos, draft.rings[:, slots], draft.ring_pos[slots],
-                             f32(temperature), jnp.zeros((n,), jnp.int32), f32(1.0), f32(0.0),
-                             jnp.asarray([r.seed for r in live], jnp.uint32))
+        prop = self._propose(self._head_params, self._embed, self._draft_lm_head, anchor, anchor_pos,
+                             draft.rings[:, slots], draft.ring_pos[slots], f32(temperature),
+                             jnp.zeros((n,), jnp.int32), f32(1.0), f32(0.0), jnp.asarray([r.seed for r in live], jnp.uint32))
         drafts = np.asarray(prop.tokens)
         lengths = self._lengths(live)
         chunks = [self._verify_chunk(r, lengths[i], drafts[i, :lengths[i]].tolist(), temperature)
@@ -354,8 +359,9 @@ def make_spec_step(graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, geometry
     """The pure fused step: the target's step over the batch, `verify` of every request's
     drafts, the committed positions' taps into the draft rings, and the next block drafted
     from each request's newest token. (params, head_params, state, draft, pending, batch,
-    spec) -> (state, draft, pending, SpecOutputs)."""
-    def step(params, head_params, state, draft: DraftState, pending: Pending, batch, spec: SpecBatch):
+    spec, draft_lm_head) -> (state, draft, pending, SpecOutputs); draft_lm_head is the LM head
+    the draft uses (the target's, or its `quant.Fp8Rows`)."""
+    def step(params, head_params, state, draft: DraftState, pending: Pending, batch, spec: SpecBatch, draft_lm_head):
         model = nnx.merge(graphdef, params)
         head = nnx.merge(head_graphdef, head_params)
         t = batch.tokens.shape[0]
@@ -399,8 +405,8 @@ def make_spec_step(graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, geometry
         # The next block, from each request's newest token.
         anchor = jnp.take_along_axis(verdict.tokens, verdict.accepted[:, None], axis=1)[:, 0]
         anchor_pos = token_pos + verdict.accepted  # the newest committed position
-        embed, lm_head = params["embed"]["weight"][...], params["head"]["weight"][...]
-        prop = propose(head, anchor, anchor_pos, draft.rings[:, slot], draft.ring_pos[slot], embed, lm_head,
+        embed = params["embed"]["weight"][...]
+        prop = propose(head, anchor, anchor_pos, draft.rings[:, slot], draft.ring_pos[slot], embed, draft_lm_head,
                        temperature, top_k, top_p, min_p, seed, ops)
         write = jnp.where(live & (batch.req_slot >= 0), batch.req_slot, s)  # out of range: dropped
         pending = Pending(tokens=pending.tokens.at[write].set(prop.tokens, mode="drop"),

@@ -179,3 +179,32 @@ def test_the_head_loads_from_an_official_checkpoint(tmp_path):
         base, _ = head.base_logits(jnp.array([3, 4]), jnp.array([20, 20]), rings, ring_pos, embed, embed * 0.1, OPS)
         out[quantized] = np.asarray(base)
     np.testing.assert_allclose(out[True], out[False], rtol=1e-4, atol=1e-4)
+
+
+def test_rowwise_fp8_head_is_close_to_the_dense_head(head, tables):
+    """The opt-in FP8 draft head against the f32 head: logits within FP8's error (3 mantissa
+    bits on both operands, averaged over D) and nearly always the same top token."""
+    from dsv4 import quant
+
+    embed, lm_head = tables
+    rng = np.random.default_rng(7)
+    w = rng.normal(size=(CFG.vocab_size, CFG.hidden_size)).astype(np.float32)
+    w *= rng.uniform(0.1, 3.0, (CFG.vocab_size, 1)).astype(np.float32)  # rows of very different scales
+    x = rng.normal(size=(200, CFG.hidden_size)).astype(np.float32)
+    exact = x @ w.T
+    got = np.asarray(quant.fp8_rows_matmul(x, quant.quant_fp8_rows(w)))
+    # e4m3 keeps 3 mantissa bits: each operand is off by up to 2^-4 (relative, ~3.6% RMS), and
+    # a sum of D products with random signs keeps about that relative error (~5% typical).
+    rel = np.abs(got - exact).max() / np.abs(exact).max()
+    mean_rel = np.abs(got - exact).mean() / np.abs(exact).mean()
+    assert 0 < rel < 0.08 and mean_rel < 0.07, (rel, mean_rel)
+    assert (got.argmax(-1) == exact.argmax(-1)).mean() > 0.8
+    zero = quant.quant_fp8_rows(np.zeros((2, 4), np.float32))
+    assert np.asarray(zero.scale).tolist() == [1.0, 1.0]
+    # Inside the head: the block's base logits with the FP8 head stay close to the dense ones.
+    rings, ring_pos = context(head, 2, 30, np.random.default_rng(8))
+    args = (jnp.array([3, 4]), jnp.array([30, 30]), rings, ring_pos, embed)
+    dense, _ = head.base_logits(*args, lm_head, OPS)
+    fp8, _ = head.base_logits(*args, quant.quant_fp8_rows(lm_head), OPS)
+    err = np.abs(np.asarray(fp8) - np.asarray(dense)).max() / np.abs(np.asarray(dense)).max()
+    assert 0 < err < 0.06, err

@@ -136,3 +136,16 @@ def test_a_fresh_request_forgets_its_slots_positions_even_when_it_starts_late(fu
     held = np.asarray(draft.ring_pos[0])
     assert set(range(start)) <= set(held.tolist())
     fused._draft = None  # leave the generator with fresh rings
+
+
+def test_an_fp8_draft_head_changes_drafts_not_tokens(loaded, generator):
+    """The row-wise FP8 draft head (opt-in): greedy output still equals greedy decoding, and the
+    fused and reference paths agree on it."""
+    model, head = loaded
+    args = (generator.runner, head, generator._embed, generator._lm_head, ops_for("reference"))
+    ref = SpeculativeGenerator(*args, draft_fp8_head=True)
+    fast = SpeculativeGenerator(*args, draft_fp8_head=True, fused=True)
+    want = model.generate(PROMPTS, 20, max_num_seqs=3, max_num_batched_tokens=32)
+    got, stats = ref.generate(PROMPTS, 20, seeds=[0, 1, 2])
+    got2, stats2 = fast.generate(PROMPTS, 20, seeds=[0, 1, 2])
+    assert got == want == got2 and stats.accepted == stats2.accepted

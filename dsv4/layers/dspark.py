@@ -137,9 +137,14 @@ class DSparkHead(nnx.Module):
         return jnp.stack([stage.context_kv(main_x, positions_T) for stage in self.mtp])
 
     def base_logits(self, anchor_R: jax.Array, anchor_pos_R: jax.Array, rings_ZRSH: jax.Array,
-                    ring_pos_RS: jax.Array, embed_VD: jax.Array, head_VD: jax.Array,
+                    ring_pos_RS: jax.Array, embed_VD: jax.Array, head_VD: jax.Array | quant.Fp8Rows,
                     ops: OpSet) -> tuple[jax.Array, jax.Array]:
         """(base logits U [R, K, V] f32, exit hidden xh [R, K, D]) of one block per request.
+
+        head_VD: the target's LM head, dense (an f32 matmul, as the reference), or as
+        `quant.Fp8Rows` (`quant.quant_fp8_rows(head)`, made once) for the opt-in row-wise FP8
+        draft head: the drafts' logits change slightly, verification stays exact because q is
+        computed from the same logits the drafts are drawn from.
 
         anchor_R: the token at position anchor_pos + 1 (the target's newest); rings_ZRSH
         [stages, R, S, H] with ring_pos_RS [R, S] the position each slot holds (-1: none).
@@ -162,7 +167,10 @@ class DSparkHead(nnx.Module):
         xh = hc_head(h, last.hc_head_fn[...], last.hc_head_scale[...], last.hc_head_base[...],
                      norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
         y = last.norm(xh).astype(jnp.float32)
-        u = jnp.einsum("rkd,vd->rkv", y, head_VD.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        if isinstance(head_VD, quant.Fp8Rows):
+            u = quant.fp8_rows_matmul(y.reshape(r * k, -1), head_VD).reshape(r, k, -1)
+        else:
+            u = jnp.einsum("rkd,vd->rkv", y, head_VD.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
         return u, xh
 
     def markov_bias(self, prev_R: jax.Array) -> tuple[jax.Array, jax.Array]:
