@@ -1,0 +1,163 @@
+"""Capacity-aware verification (DSpark, spec 9.8): how many drafts each request verifies.
+
+Verifying a draft costs a token row in the target step; it pays only if the draft is
+accepted. With many requests running, the step gets slower as it grows, so verifying every
+request's K drafts can lose throughput. The planner here decides, per step:
+
+- Confidence: the draft head's confidence logit z_k per drafted position becomes
+  c_k = sigmoid(z_k / tau_k) with a per-position temperature tau_k; the prefix survival
+  s_j = c_0 * ... * c_j estimates the chance that drafts 0..j are all accepted.
+- Calibration (`SurvivalCalibrator`): tau_k is fitted online from what verification reports
+  (draft k of a request was reached; was it accepted?): the tau on a grid that minimises the
+  log-loss of the recent observations at position k (sequential temperature scaling:
+  position k only sees cases where drafts 0..k-1 were accepted). Its calibration error
+  (expected calibration error over 10 bins, recent window) is telemetry.
+- Step speed (`StepSpeedTable`): steps per second of the target step as a function of its
+  token rows, measured on the device (warm-up) and interpolated in between.
+- Admission (`plan_lengths`): each request verifies L_r drafts (0..K); the expected tokens a
+  step commits are sum_r (1 + s_r,0 + ... + s_r,L_r-1) and it runs at SPS(sum_r (1 + L_r)).
+  Candidates (r, j) are taken in decreasing s_r,j (survival only falls along j, so every
+  request keeps a prefix), and the admission stops where expected tokens x SPS peaks.
+- Load-aware depth: the drafter need not draft deeper than the deepest verification it will
+  be given; `physical_depth` is the largest L_r of the last plan.
+
+Default (off) is fixed K for every request; the engine uses this only when asked.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import math
+from typing import Mapping, Sequence
+
+import numpy as np
+
+TAU_GRID = tuple(float(t) for t in np.geomspace(0.25, 8.0, 31))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+class SurvivalCalibrator:
+    """Per-position temperatures tau_k fitted online (module docstring)."""
+
+    def __init__(self, k: int, *, window: int = 4096, refit_every: int = 256, min_samples: int = 64):
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.k = k
+        self.tau = [1.0] * k
+        self._seen = [collections.deque(maxlen=window) for _ in range(k)]  # (logit, accepted)
+        self._since_fit = [0] * k
+        self.refit_every, self.min_samples = refit_every, min_samples
+
+    def survival(self, logits_K: Sequence[float]) -> np.ndarray:
+        """Prefix survival [K] for one request's confidence logits."""
+        z = np.asarray(logits_K, np.float64)[:self.k]
+        return np.cumprod(_sigmoid(z / np.asarray(self.tau[:len(z)])))
+
+    def observe(self, logits_K: Sequence[float], verified: int, accepted: int) -> None:
+        """What a verification reported: of `verified` drafts, the first `accepted` were accepted
+        (position accepted, if verified, was the first rejection)."""
+        if not 0 <= accepted <= verified <= self.k:
+            raise ValueError(f"need 0 <= accepted ({accepted}) <= verified ({verified}) <= K ({self.k})")
+        for j in range(min(verified, accepted + 1)):  # positions reached, each accepted or the rejection
+            self._seen[j].append((float(logits_K[j]), j < accepted))
+            self._since_fit[j] += 1
+            if self._since_fit[j] >= self.refit_every and len(self._seen[j]) >= self.min_samples:
+                self._fit(j)
+
+    def _fit(self, j: int) -> None:
+        z, y = (np.asarray(a, np.float64) for a in zip(*self._seen[j]))
+        best, best_loss = self.tau[j], math.inf
+        for tau in TAU_GRID:
+            p = np.clip(_sigmoid(z / tau), 1e-6, 1 - 1e-6)
+            loss = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
+            if loss < best_loss:
+                best, best_loss = tau, loss
+        self.tau[j], self._since_fit[j] = best, 0
+
+    def calibration_error(self, j: int, bins: int = 10) -> float | None:
+        """Expected calibration error at position j over the recent window (None: no data)."""
+        if not self._seen[j]:
+            return None
+        z, y = (np.asarray(a, np.float64) for a in zip(*self._seen[j]))
+        p = _sigmoid(z / self.tau[j])
+        which = np.minimum((p * bins).astype(int), bins - 1)
+        err = 0.0
+        for b in range(bins):
+            m = which == b
+            if m.any():
+                err += m.sum() * abs(p[m].mean() - y[m].mean())
+        return err / len(p)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpeedTable:
+    """Steps per second of the target step by its token rows (piecewise linear in step time;
+    flat beyond the measured range)."""
+
+    tokens: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    @classmethod
+    def from_measurements(cls, seconds_by_tokens: Mapping[int, float]) -> "StepSpeedTable":
+        if not seconds_by_tokens or any(t < 1 or s <= 0 for t, s in seconds_by_tokens.items()):
+            raise ValueError(f"need step times > 0 for token counts >= 1, got {dict(seconds_by_tokens)}")
+        items = sorted(seconds_by_tokens.items())
+        return cls(tuple(t for t, _ in items), tuple(s for _, s in items))
+
+    def step_seconds(self, tokens: int) -> float:
+        ts, ss = self.tokens, self.seconds
+        if tokens <= ts[0]:
+            return ss[0]
+        if tokens >= ts[-1]:
+            return ss[-1] * tokens / ts[-1]  # past the table: time grows with the rows
+        i = bisect.bisect_left(ts, tokens)
+        f = (tokens - ts[i - 1]) / (ts[i] - ts[i - 1])
+        return ss[i - 1] + f * (ss[i] - ss[i - 1])
+
+    def steps_per_second(self, tokens: int) -> float:
+        return 1.0 / self.step_seconds(tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    lengths: list[int]  # drafts to verify per request
+    expected_tokens: float  # tokens the step is expected to commit
+    tokens_per_second: float  # expected_tokens x SPS(step rows)
+
+
+def plan_lengths(survival_RK: Sequence[Sequence[float]], table: StepSpeedTable, *, max_lengths: Sequence[int] = (),
+                 other_tokens: int = 0) -> Plan:
+    """Verification lengths maximising expected committed tokens per second (module docstring).
+
+    survival_RK: each request's prefix survival (non-increasing); max_lengths: a cap per
+    request (e.g. tokens it may still take - 1); other_tokens: rows of the step that are not
+    verification (prefill chunks), which count toward its speed but commit no drafts.
+    """
+    r = len(survival_RK)
+    caps = list(max_lengths) or [len(s) for s in survival_RK]
+    candidates = sorted(((float(s[j]), i, j) for i, s in enumerate(survival_RK) for j in range(min(len(s), caps[i]))),
+                        key=lambda c: (-c[0], c[1], c[2]))
+    lengths = [0] * r
+    rows = r + other_tokens
+    expected = float(r)
+    best = Plan(list(lengths), expected, expected * table.steps_per_second(max(rows, 1)))
+    for s, i, j in candidates:
+        if j != lengths[i]:  # keeps prefixes even where survival ties or rounding reorders
+            continue
+        lengths[i] += 1
+        rows += 1
+        expected += s
+        rate = expected * table.steps_per_second(rows)
+        if rate > best.tokens_per_second:
+            best = Plan(list(lengths), expected, rate)
+    return best
+
+
+def physical_depth(plan: Plan, k: int) -> int:
+    """How deep the drafter needs to draft for the next step (at least 1, at most K)."""
+    return max(1, min(k, max(plan.lengths, default=0)))

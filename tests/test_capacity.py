@@ -1,0 +1,69 @@
+"""Capacity-aware verification: the speed table, the admission, online calibration."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from serving.capacity import StepSpeedTable, SurvivalCalibrator, physical_depth, plan_lengths
+
+
+def test_speed_table_interpolates_and_extrapolates():
+    t = StepSpeedTable.from_measurements({8: 0.010, 32: 0.020, 16: 0.012})
+    assert t.step_seconds(1) == 0.010 and t.step_seconds(16) == 0.012
+    assert t.step_seconds(24) == pytest.approx(0.016)
+    assert t.step_seconds(64) == pytest.approx(0.040)  # beyond the table: proportional to rows
+    with pytest.raises(ValueError, match="step times"):
+        StepSpeedTable.from_measurements({8: 0.0})
+
+
+def brute_force(survival, table, caps):
+    best = None
+    for lengths in itertools.product(*(range(c + 1) for c in caps)):
+        expected = sum(1 + sum(s[:n]) for s, n in zip(survival, lengths))
+        rate = expected * table.steps_per_second(sum(1 + n for n in lengths))
+        if best is None or rate > best[0] + 1e-12:
+            best = (rate, list(lengths))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_admission_finds_the_best_lengths(seed):
+    """Against brute force over every length assignment (3 requests, K = 4), for step times
+    that are flat (verify everything), steep (verify little) and in between."""
+    rng = np.random.default_rng(seed)
+    survival = [np.cumprod(rng.uniform(0.2, 1.0, 4)) for _ in range(3)]
+    for slope in (0.0, 0.002, 0.02, 0.2):
+        table = StepSpeedTable.from_measurements({n: 0.01 + slope * n for n in range(1, 16)})
+        plan = plan_lengths(survival, table)
+        rate, lengths = brute_force(survival, table, [4, 4, 4])
+        assert plan.tokens_per_second == pytest.approx(rate, rel=1e-9), (slope, plan.lengths, lengths)
+        if slope == 0.0:
+            assert plan.lengths == [4, 4, 4]
+    flat = StepSpeedTable.from_measurements({1: 0.01, 100: 0.01})
+    capped = plan_lengths(survival, flat, max_lengths=[1, 0, 3])
+    assert capped.lengths == [1, 0, 3]
+    assert physical_depth(capped, 5) == 3 and physical_depth(plan_lengths([[0.0]], table), 5) == 1
+
+
+def test_calibration_learns_the_temperature_that_fits():
+    """Drafts accepted with probability sigmoid(z / 3): the fitted tau approaches 3 and the
+    calibration error falls below that of tau = 1."""
+    rng = np.random.default_rng(0)
+    cal = SurvivalCalibrator(2, refit_every=200, min_samples=100)
+    for _ in range(3000):
+        z = rng.normal(0, 4, 2)
+        ok0 = rng.random() < 1 / (1 + np.exp(-z[0] / 3))
+        ok1 = rng.random() < 1 / (1 + np.exp(-z[1] / 3))
+        accepted = 0 if not ok0 else (1 if not ok1 else 2)
+        cal.observe(z, 2, accepted)
+    assert 2.3 < cal.tau[0] < 3.9 and 2.3 < cal.tau[1] < 3.9, cal.tau
+    fitted = cal.calibration_error(0)
+    cal.tau[0] = 1.0
+    assert fitted < cal.calibration_error(0)
+    s = SurvivalCalibrator(3).survival([0.0, 0.0, 0.0])
+    np.testing.assert_allclose(s, [0.5, 0.25, 0.125])
+    with pytest.raises(ValueError, match="accepted"):
+        cal.observe([0, 0], 1, 2)
