@@ -67,3 +67,27 @@ def test_calibration_learns_the_temperature_that_fits():
     np.testing.assert_allclose(s, [0.5, 0.25, 0.125])
     with pytest.raises(ValueError, match="accepted"):
         cal.observe([0, 0], 1, 2)
+
+
+def test_the_speed_table_is_measured_on_the_runners_buckets(tmp_path):
+    import dsv4
+    from checkpoints.testing import write_tiny_checkpoint
+    from dsv4.config import TINY
+    from dsv4.ops.registry import ops_for
+    from dsv4.state import StateGeometry, default_page_tokens
+    from dsv4.step import StepRunner, make_buckets
+    from serving.capacity import measure_step_speed
+
+    write_tiny_checkpoint(TINY, tmp_path, seed=1)
+    model = dsv4.load_pretrained(tmp_path, dtype="float32")
+    page = default_page_tokens(TINY)
+    geometry = StateGeometry(num_slots=2, num_pages=8, page_tokens=page, max_pages_per_seq=4, max_spec_tokens=0,
+                             dtype=np.float32)
+    runner = StepRunner(model.graphdef, model.params, TINY, geometry, make_buckets(8, 2, token_sizes=[2, 8]),
+                        ops_for("reference"))
+    runner.warmup()
+    ticks = iter(range(1000))
+    table = measure_step_speed(runner, repeats=3, clock=lambda: float(next(ticks)))
+    assert table.tokens == (2, 8) and table.seconds == (1.0, 1.0)  # each timed run took one tick
+    real = measure_step_speed(runner, repeats=2)
+    assert real.tokens == (2, 8) and all(s > 0 for s in real.seconds)
