@@ -132,14 +132,7 @@ class SpeculativeGenerator:
         self._verify = jax.jit(verify)
         self._init = lambda: init_draft_state(head, runner.geometry.num_slots, embed_VD.dtype)
         self.fused = fused
-        self._draft: DraftState | None = None
-        self._pending: Pending | None = None
-        if fused:
-            step = make_spec_step(runner.graphdef, graphdef, runner.geometry, ops, k)
-            self._fused = jax.jit(step, donate_argnums=(2, 3, 4))
-            v, n = cfg.vocab_size, runner.geometry.num_slots
-            self._init_pending = lambda: Pending(tokens=jnp.zeros((n, k), jnp.int32),
-                                                 probs=jnp.zeros((n, k, v), jnp.float32))
+        self.spec_runner = SpecRunner(runner, head, ops, k=k, draft_lm_head=draft_head) if fused else None
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
                  seeds: Sequence[int]) -> tuple[list[list[int]], SpecStats]:
@@ -156,16 +149,13 @@ class SpeculativeGenerator:
         # The fused path keeps its rings from call to call, as a server would from request to
         # request (a request's first chunk makes its slot forget the last one's positions);
         # the reference starts from empty rings every call.
-        draft = self._draft if self.fused and self._draft is not None else self._init()
-        if self.fused and self._pending is None:
-            self._pending = self._init_pending()
+        draft = None if self.fused else self._init()
         prefill, round_ = (self._prefill_fused, self._round_fused) if self.fused else (self._prefill, self._round)
         for r in reqs:
             draft = prefill(r, draft, temperature)
         while any(len(r.generated) < r.max_new for r in reqs):
             live = [r for r in reqs if len(r.generated) < r.max_new]
             draft = round_(live, draft, temperature)
-        self._draft = draft if self.fused else None
         return [r.generated for r in reqs], SpecStats([r.drafted for r in reqs], [r.accepted for r in reqs])
 
     def _lengths(self, live: list[_Request]) -> list[int]:
@@ -185,16 +175,6 @@ class SpeculativeGenerator:
             r.accepted += a
             r.generated += tokens[i, :a + 1].tolist()
 
-    def _run_fused(self, chunks: list[Chunk], spec_lens: list[int], draft: DraftState, fresh: Sequence[bool] = ()):
-        runner = self.runner
-        bucket = runner.bucket_for(sum(len(c.tokens) for c in chunks), len(chunks),
-                                   sum(len(c.outputs) for c in chunks), sum(len(c.taps) for c in chunks))
-        batch = pack_batch(chunks, bucket, self.geometry)
-        spec = pack_spec(chunks, spec_lens, bucket.tokens, bucket.requests, fresh)
-        runner.state, draft, self._pending, out = self._fused(runner.params, self._head_params, runner.state, draft,
-                                                              self._pending, batch, spec, self._draft_lm_head)
-        return draft, jax.device_get(out)
-
     def _prefill_fused(self, r: _Request, draft: DraftState, temperature: float) -> DraftState:
         budget = self.runner.buckets[-1].tokens
         start = 0
@@ -204,7 +184,7 @@ class SpeculativeGenerator:
             taps = [i for i in range(n) if start + i >= len(r.prompt) - RING]
             chunk = Chunk(slot=r.slot, start=start, tokens=r.prompt[start:start + n], pages=self._pages(r),
                           outputs=[n - 1] if last else [], temperature=temperature, seed=r.seed, taps=taps)
-            draft, out = self._run_fused([chunk], [0 if last else -1], draft)
+            out = self.spec_runner.run([chunk], [0 if last else -1])
             if last:
                 r.generated.append(int(out.tokens[0, 0]))
             start += n
@@ -213,7 +193,7 @@ class SpeculativeGenerator:
     def _round_fused(self, live: list[_Request], draft: DraftState, temperature: float) -> DraftState:
         lengths = self._lengths(live)
         chunks = [self._verify_chunk(r, n, [0] * n, temperature) for r, n in zip(live, lengths)]  # drafts on device
-        draft, out = self._run_fused(chunks, lengths, draft)
+        out = self.spec_runner.run(chunks, lengths)
         self._take(live, lengths, out.accepted, out.tokens)
         return draft
 
@@ -416,3 +396,60 @@ def make_spec_step(graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, geometry
                                                   confidence_logits=prop.confidence_logits)
 
     return step
+
+
+class SpecRunner:
+    """The fused speculative step (`make_spec_step`) on a `StepRunner`'s parameters and decode
+    state, with the draft rings and pending drafts on the device: one program per bucket,
+    compiled in `warmup` (or on first use)."""
+
+    def __init__(self, runner: StepRunner, head: DSparkHead, ops: OpSet, *, k: int,
+                 draft_lm_head: jax.Array | quant.Fp8Rows | None = None):
+        """runner: the target's runner (its buckets need K + 1 output rows per request and a tap
+        row per token: `make_buckets(..., max_spec_tokens=K, taps=True)`); draft_lm_head: the
+        LM head the draft uses (default: the target's)."""
+        cfg = head.cfg
+        if runner.geometry.max_spec_tokens < k:
+            raise ValueError(f"the state holds {runner.geometry.max_spec_tokens} speculative tokens, need {k}")
+        self.runner, self.k, self.geometry = runner, k, runner.geometry
+        head_graphdef, self._head_params = nnx.split(head)
+        self._draft_lm_head = runner.params["head"]["weight"][...] if draft_lm_head is None else draft_lm_head
+        n, v = runner.geometry.num_slots, cfg.vocab_size
+        dtype = runner.params["embed"]["weight"][...].dtype
+        self._init = jax.jit(lambda: (init_draft_state(head, n, dtype),
+                                      Pending(tokens=jnp.zeros((n, k), jnp.int32),
+                                              probs=jnp.zeros((n, k, v), jnp.float32))))
+        self.draft, self.pending = self._init()
+        self._step = jax.jit(make_spec_step(runner.graphdef, head_graphdef, runner.geometry, ops, k),
+                             donate_argnums=(2, 3, 4))
+        self._compiled: dict = {}
+
+    def reset(self) -> None:
+        """Empty draft rings and pending drafts, and a fresh target state."""
+        self.draft, self.pending = self._init()
+        self.runner.reset_state()
+
+    def warmup(self) -> None:
+        for bucket in self.runner.buckets:
+            self._program(bucket)
+
+    def _program(self, bucket):
+        if bucket not in self._compiled:
+            batch = pack_batch([], bucket, self.geometry)
+            spec = pack_spec([], [], bucket.tokens, bucket.requests)
+            self._compiled[bucket] = self._step.lower(self.runner.params, self._head_params, self.runner.state,
+                                                      self.draft, self.pending, batch, spec,
+                                                      self._draft_lm_head).compile()
+        return self._compiled[bucket]
+
+    def run(self, chunks: Sequence[Chunk], spec_lens: Sequence[int], fresh: Sequence[bool] = ()) -> SpecOutputs:
+        """One fused step (`SpecBatch` says what spec_lens and fresh mean); outputs on the host."""
+        runner = self.runner
+        bucket = runner.bucket_for(sum(len(c.tokens) for c in chunks), len(chunks),
+                                   sum(len(c.outputs) for c in chunks), sum(len(c.taps) for c in chunks))
+        batch = pack_batch(chunks, bucket, self.geometry)
+        spec = pack_spec(chunks, spec_lens, bucket.tokens, bucket.requests, fresh)
+        runner.state, self.draft, self.pending, out = self._program(bucket)(
+            runner.params, self._head_params, runner.state, self.draft, self.pending, batch, spec,
+            self._draft_lm_head)
+        return jax.device_get(out)

@@ -127,15 +127,14 @@ def test_a_fresh_request_forgets_its_slots_positions_even_when_it_starts_late(fu
     start = 32
     chunk = Chunk(slot=0, start=start, tokens=prompt[start:], pages=fused._pages(_Request(0, prompt, 1, 0, slot=0)),
                   outputs=[len(prompt) - start - 1], taps=list(range(len(prompt) - start)))
-    before = fused._draft
-    kept = jax.tree.map(jnp.copy, before)  # the step donates its draft state
-    draft, _ = fused._run_fused([chunk], [0], before, fresh=[True])
-    held = np.asarray(draft.ring_pos[0])
+    kept = jax.tree.map(jnp.copy, fused.spec_runner.draft)  # the step donates its draft state
+    fused.spec_runner.run([chunk], [0], fresh=[True])
+    held = np.asarray(fused.spec_runner.draft.ring_pos[0])
     assert sorted(held[held >= 0].tolist()) == list(range(start, len(prompt)))
-    draft, _ = fused._run_fused([chunk], [0], kept, fresh=[False])  # not fresh: the old positions stay
-    held = np.asarray(draft.ring_pos[0])
+    fused.spec_runner.draft = kept
+    fused.spec_runner.run([chunk], [0], fresh=[False])  # not fresh: the old positions stay
+    held = np.asarray(fused.spec_runner.draft.ring_pos[0])
     assert set(range(start)) <= set(held.tolist())
-    fused._draft = None  # leave the generator with fresh rings
 
 
 def test_an_fp8_draft_head_changes_drafts_not_tokens(loaded, generator):
