@@ -347,7 +347,6 @@ def make_spec_step(graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, geometry
         t = batch.tokens.shape[0]
         r = batch.req_slot.shape[0]
         s = pending.tokens.shape[0]
-        rows = jnp.arange(t)
         req_of_row = jnp.clip(batch.token_req, 0, r - 1)
         slot_of_row = jnp.clip(batch.req_slot[req_of_row], 0, s - 1)
         j = jnp.clip(spec.from_draft - 1, 0, k - 1)

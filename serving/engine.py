@@ -43,7 +43,7 @@ import dataclasses
 import enum
 import math
 import time
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
