@@ -16,9 +16,13 @@ proposing blocks and the target verifying them, one synchronous round per step:
 
 Every random draw is keyed by (seed, position, stream), so a request's tokens do not depend
 on its neighbours, and at temperature 0 the tokens equal plain greedy decoding exactly.
-This loop fetches the target's logits to the host and runs the head and the verifier as
-separate programs: it is the reference twin for a fused verify-and-draft step, not the fast
-path.
+
+Two paths run the rounds. The reference (`SpeculativeGenerator(fused=False)`) fetches the
+target's logits to the host and runs the head and the verifier as separate programs. The
+fused path (`make_spec_step`, driven by `SpecRunner`) does a round in one program: the
+target step, verification, the accepted positions' context into the rings and the next
+block drafted, with drafts and their distributions kept on the device between steps. Tests
+hold the two to the same tokens and the same acceptance.
 """
 
 from __future__ import annotations
@@ -176,19 +180,21 @@ class SpeculativeGenerator:
             r.generated += tokens[i, :a + 1].tolist()
 
     def _prefill_fused(self, r: _Request, draft: DraftState, temperature: float) -> DraftState:
-        budget = self.runner.buckets[-1].tokens
-        start = 0
-        while start < len(r.prompt):
-            n = min(budget, len(r.prompt) - start)
-            last = start + n == len(r.prompt)
-            taps = [i for i in range(n) if start + i >= len(r.prompt) - RING]
-            chunk = Chunk(slot=r.slot, start=start, tokens=r.prompt[start:start + n], pages=self._pages(r),
-                          outputs=[n - 1] if last else [], temperature=temperature, seed=r.seed, taps=taps)
+        for chunk, last in self._prefill_chunks(r, temperature):
             out = self.spec_runner.run([chunk], [0 if last else -1])
             if last:
                 r.generated.append(int(out.tokens[0, 0]))
-            start += n
         return draft
+
+    def _prefill_chunks(self, r: _Request, temperature: float):
+        """(chunk, is it the prompt's last) in order; taps on the prompt's last RING positions."""
+        budget = self.runner.buckets[-1].tokens
+        for start in range(0, len(r.prompt), budget):
+            n = min(budget, len(r.prompt) - start)
+            last = start + n == len(r.prompt)
+            taps = [i for i in range(n) if start + i >= len(r.prompt) - RING]
+            yield Chunk(slot=r.slot, start=start, tokens=r.prompt[start:start + n], pages=self._pages(r),
+                        outputs=[n - 1] if last else [], temperature=temperature, seed=r.seed, taps=taps), last
 
     def _round_fused(self, live: list[_Request], draft: DraftState, temperature: float) -> DraftState:
         lengths = self._lengths(live)
@@ -202,20 +208,13 @@ class SpeculativeGenerator:
         return list(range(r.slot * n, (r.slot + 1) * n))
 
     def _prefill(self, r: _Request, draft: DraftState, temperature: float) -> DraftState:
-        budget = self.runner.buckets[-1].tokens
-        start = 0
-        while start < len(r.prompt):
-            n = min(budget, len(r.prompt) - start)
-            last = start + n == len(r.prompt)
-            taps = [i for i in range(n) if start + i >= len(r.prompt) - RING]
-            out = self.runner.run([Chunk(slot=r.slot, start=start, tokens=r.prompt[start:start + n],
-                                         pages=self._pages(r), outputs=[n - 1] if last else [],
-                                         temperature=temperature, seed=r.seed, taps=taps)])
-            if taps:
-                draft = self._commit_rows(draft, out.taps[:len(taps)], [start + i for i in taps], r.slot)
+        for chunk, last in self._prefill_chunks(r, temperature):
+            out = self.runner.run([chunk])
+            if chunk.taps:
+                taps = list(chunk.taps)
+                draft = self._commit_rows(draft, out.taps[:len(taps)], [chunk.start + i for i in taps], r.slot)
             if last:
                 r.generated.append(int(out.tokens[0]))
-            start += n
         return draft
 
     def _commit_rows(self, draft: DraftState, taps: np.ndarray, positions: list[int], slot: int) -> DraftState:
