@@ -214,6 +214,9 @@ class _Live:
     pending: int = 0  # tokens launched steps are sampling for it (not yet in `tokens`): 0, 1 or 2
     block_keys: list[bytes] = dataclasses.field(default_factory=list)  # keys of its full committed blocks
     cached_prompt_tokens: int = 0  # prompt tokens restored from the prefix cache at first admission
+    drafted: int = 0  # speculation: drafts verified for it
+    accepted: int = 0  # speculation: drafts accepted
+    fresh: bool = True  # speculation: its next chunk is its first in its slot since admission
 
     @property
     def generated(self) -> list[int]:
@@ -234,9 +237,11 @@ class Engine:
 
     def __init__(self, runner: StepRunnerLike, limits: EngineLimits, *, data_shards: int = 1,
                  prefix_cache: bool = False, clock: Callable[[], float] = time.monotonic,
-                 seed_source: Callable[[], int] | None = None):
+                 seed_source: Callable[[], int] | None = None, speculator=None):
         """prefix_cache: share the pages (and restore the rings) of block-aligned prompt
-        prefixes (`serving.prefix_cache`); needs a runner with snapshot slots and one data shard."""
+        prefixes (`serving.prefix_cache`); needs a runner with snapshot slots and one data shard.
+        speculator: a `dsv4.spec_decode.SpecRunner` on `runner`: every decoding request then
+        verifies up to K drafts per step (synchronous steps: no host/device overlap)."""
         geo = runner.geometry
         if limits.max_num_batched_tokens > runner.buckets[-1].tokens:
             raise ValueError(f"max_num_batched_tokens {limits.max_num_batched_tokens} exceeds the largest bucket "
@@ -267,6 +272,7 @@ class Engine:
         self._max_requests = min(geo.num_slots, runner.buckets[-1].requests)
         self._steps = self._tokens = self._generated = self._preemptions = 0
         self._host_s = self._run_s = 0.0
+        self._spec = speculator
 
     # ---- interface ---------------------------------------------------------------------
 
@@ -275,6 +281,8 @@ class Engine:
         the limits, so another thread may call it while the engine steps."""
         lim = self.limits
         bad = list(req.sampling.problems(lim.vocab_size, lim.max_logprobs))
+        if self._spec is not None and req.sampling.logprobs:
+            bad.append("logprobs are not available with speculative decoding yet")
         if not req.request_id:
             bad.append("request_id must not be empty")
         if not req.prompt_token_ids:
@@ -340,6 +348,8 @@ class Engine:
         same (`Chunk.token_from_last`). A request that step n stops (a stop token) has one
         wasted token computed in step n+1, which is dropped; stopping by length is known in
         advance and wastes nothing."""
+        if self._spec is not None:
+            return self._speculative_step()
         outputs, self._aborted = self._aborted, []
         t0 = time.perf_counter()
         plan = self._schedule()
@@ -448,7 +458,7 @@ class Engine:
                 break
             self._waiting.pop(0)
             self._free_slots.remove(slot)
-            live.slot, live.committed = slot, 0
+            live.slot, live.committed, live.fresh = slot, 0, True
             self._restore_prefix(live)
             if live.admitted_at is None:
                 live.admitted_at = self._clock()
@@ -463,7 +473,7 @@ class Engine:
         """Tokens to feed now: what is left, within the budget; with the prefix cache on, a
         chunk that does not finish the tokens ends on a block boundary when it can, so that
         its rings are snapshotted exactly there (cold and warm prefills share chunk ends)."""
-        n = min(live.length - live.committed, budget)
+        n = min(live.length - live.committed + self._draft_room(live), budget)
         end = live.committed + n
         if self._pages.caching and end < live.length:
             aligned = end // self.geometry.page_tokens * self.geometry.page_tokens
@@ -573,6 +583,88 @@ class Engine:
                      outputs=[n - 1] if end == live.length else [], temperature=s.temperature, seed=live.seed,
                      top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, token_from_last=from_last)
 
+    # ---- speculative decoding ----------------------------------------------------------
+
+    def _decoding(self, live: _Live) -> bool:
+        """Everything but its newest token is in the state (the newest is the next anchor)."""
+        return live.committed == len(live.tokens) - 1 and len(live.tokens) > live.prompt_len
+
+    def _draft_room(self, live: _Live) -> int:
+        """Drafts a decoding request can verify this step: K, but never past its last token."""
+        if self._spec is None or not self._decoding(live):
+            return 0
+        left = min(live.req.sampling.max_tokens - len(live.generated), self.limits.max_model_len - len(live.tokens))
+        return max(0, min(self._spec.k, left - 1))
+
+    def _speculative_chunk(self, live: _Live, n: int) -> tuple[Chunk, int]:
+        """(chunk, drafts it verifies: >= 0 with an output, -1 for a prefill chunk without one)."""
+        from dsv4.layers.dspark import RING  # noqa: PLC0415
+
+        s = live.req.sampling
+        common = dict(slot=live.slot, start=live.committed, pages=live.pages, temperature=s.temperature,
+                      seed=live.seed, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
+        if self._decoding(live):  # [anchor, n - 1 drafts]: the drafts stay on the device
+            return Chunk(tokens=[live.tokens[-1]] + [0] * (n - 1), outputs=list(range(n)), taps=list(range(n)),
+                         **common), n - 1
+        end = live.committed + n
+        last = end == len(live.tokens)
+        taps = [i for i in range(n) if live.committed + i >= len(live.tokens) - RING]
+        return Chunk(tokens=live.tokens[live.committed:end], outputs=[n - 1] if last else [], taps=taps,
+                     **common), 0 if last else -1
+
+    def _speculative_step(self) -> list[RequestOutput]:
+        """One synchronous step with speculation: schedule, run the fused verify-and-draft
+        program, then hand out each request's accepted drafts and its next token."""
+        outputs, self._aborted = self._aborted, []
+        t0 = time.perf_counter()
+        plan = self._schedule()
+        if not plan:
+            return outputs
+        made = [self._speculative_chunk(live, n) for live, n in plan]
+        t1 = time.perf_counter()
+        try:
+            result = self._spec.run([c for c, _ in made], [length for _, length in made],
+                                    [live.fresh for live, _ in plan])
+        except Exception as e:
+            self._aborted = outputs + self._aborted
+            raise self._recover([live for live, _ in plan], e) from e
+        t2 = time.perf_counter()
+        self._steps += 1
+        self._tokens += sum(n for _, n in plan)
+        now = self._clock()
+        for i, ((live, n), (_, length)) in enumerate(zip(plan, made)):
+            live.fresh = False
+            if length < 0:
+                live.committed += n
+                continue
+            a = int(result.accepted[i])
+            live.committed += n - (length - a)  # the anchor and the accepted drafts (a prefill: all n)
+            live.drafted += length
+            live.accepted += a
+            new: list[int] = []
+            reason = None
+            for token in result.tokens[i, :a + 1].tolist():
+                live.tokens.append(token)
+                new.append(token)
+                self._generated += 1
+                reason = self._stop_reason(live, token)
+                if reason is not None:
+                    break
+            if live.first_token_at is None:
+                live.first_token_at = now
+            if reason is None:
+                outputs.append(RequestOutput(live.req.request_id, new))
+                continue
+            self._running.remove(live)
+            self._release(live)
+            outputs.append(self._final(live, new, None, reason))
+        for live, _ in plan:
+            if live in self._running:
+                self._cache_blocks(live)
+        self._host_s += (t1 - t0) + (time.perf_counter() - t2)
+        self._run_s += t2 - t1
+        return outputs
+
     # ---- outputs -----------------------------------------------------------------------
 
     def _ends_by_length(self, live: _Live) -> bool:
@@ -599,8 +691,8 @@ class Engine:
                reason: FinishReason) -> RequestOutput:
         now = self._clock()
         usage = Usage(prompt_tokens=live.prompt_len, completion_tokens=len(live.generated), seed=live.seed,
-                      cached_prompt_tokens=live.cached_prompt_tokens,
-                      preemptions=live.preemptions,
+                      cached_prompt_tokens=live.cached_prompt_tokens, draft_tokens=live.drafted,
+                      accepted_draft_tokens=live.accepted, preemptions=live.preemptions,
                       queue_s=(live.admitted_at if live.admitted_at is not None else now) - live.arrival,
                       first_token_s=(live.first_token_at - live.arrival) if live.first_token_at is not None else 0.0,
                       total_s=now - live.arrival)

@@ -1,0 +1,96 @@
+"""The serving engine with DSpark speculation (`Engine(speculator=SpecRunner)`) on a tiny
+checkpoint with a 16-token vocabulary: greedy output equals plain greedy decoding, usage
+counts drafts, max_tokens and stop tokens cut exactly, seeded sampling is batch-invariant."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import pytest
+
+import dsv4
+from checkpoints.loader import load_draft
+from checkpoints.testing import write_tiny_checkpoint
+from dsv4.ops.registry import ops_for
+from dsv4.spec_decode import SpecRunner
+from dsv4.state import StateGeometry, default_page_tokens
+from dsv4.step import StepRunner, make_buckets
+from serving.engine import Engine, EngineLimits, EngineRequest, FinishReason, SamplingParams
+from tests.test_spec_decode import PROMPTS, SPEC
+
+K = SPEC.dspark_block_size
+MAX_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine_spec")
+    write_tiny_checkpoint(SPEC, path, seed=21)
+    model = dsv4.load_pretrained(path, dtype="float32")
+    head = load_draft(path, dtype=jnp.float32)
+    page = default_page_tokens(SPEC)
+    per_seq = math.ceil(MAX_LEN / page)
+    geometry = StateGeometry(num_slots=4, num_pages=4 * per_seq, page_tokens=page, max_pages_per_seq=per_seq,
+                             max_spec_tokens=K, dtype=jnp.float32)
+    runner = StepRunner(model.graphdef, model.params, SPEC, geometry,
+                        make_buckets(32, 4, max_spec_tokens=K, taps=True, token_sizes=[8, 32]), ops_for("reference"))
+    spec = SpecRunner(runner, head, ops_for("reference"), k=K)
+    return model, runner, spec
+
+
+def engine(parts, **kw):
+    _, runner, spec = parts
+    spec.reset()
+    limits = EngineLimits(vocab_size=SPEC.vocab_size, eos_token_ids=(), max_num_batched_tokens=32,
+                          max_model_len=MAX_LEN, max_waiting=64)
+    return Engine(runner, limits, speculator=spec, **kw)
+
+
+def run_all(eng, requests):
+    for r in requests:
+        eng.submit(r)
+    out, finals = {}, {}
+    while eng.has_work():
+        for o in eng.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                finals[o.request_id] = o
+    return out, finals
+
+
+def test_greedy_output_is_plain_greedy_and_usage_counts_drafts(parts):
+    model = parts[0]
+    want = model.generate(PROMPTS, 25, max_num_seqs=3, max_num_batched_tokens=32)
+    reqs = [EngineRequest(str(i), tuple(p), SamplingParams(max_tokens=25, ignore_eos=True)) for i, p in
+            enumerate(PROMPTS)]
+    out, finals = run_all(engine(parts), reqs)
+    assert [out[str(i)] for i in range(3)] == want
+    usage = [finals[str(i)].usage for i in range(3)]
+    assert all(u.completion_tokens == 25 and u.draft_tokens > 0 for u in usage)
+    assert sum(u.accepted_draft_tokens for u in usage) > 0
+    assert all(f.finish_reason is FinishReason.LENGTH for f in finals.values())
+
+
+def test_a_stop_token_ends_the_request_there_even_inside_a_verified_block(parts):
+    model = parts[0]
+    full = model.generate([PROMPTS[1]], 30, max_num_seqs=1, max_num_batched_tokens=32)[0]
+    stop = full[12]
+    cut = full[:full.index(stop) + 1]
+    out, finals = run_all(engine(parts), [EngineRequest("s", tuple(PROMPTS[1]),
+                                                        SamplingParams(max_tokens=30, stop_token_ids=(stop,), ignore_eos=True))])
+    assert out["s"] == cut and finals["s"].finish_reason is FinishReason.STOP
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(parts):
+    params = SamplingParams(max_tokens=20, temperature=0.9, seed=7, ignore_eos=True)
+    alone, _ = run_all(engine(parts), [EngineRequest("x", tuple(PROMPTS[1]), params)])
+    others = [EngineRequest(f"o{i}", tuple(p), SamplingParams(max_tokens=15, temperature=1.1, seed=i,
+                                                              ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+    busy, _ = run_all(engine(parts), [others[0], EngineRequest("x", tuple(PROMPTS[1]), params), *others[1:]])
+    assert busy["x"] == alone["x"]
+
+
+def test_logprobs_are_refused_under_speculation(parts):
+    eng = engine(parts)
+    assert any("speculative" in p for p in eng.validate(EngineRequest("l", (1, 2), SamplingParams(logprobs=2))))
