@@ -28,7 +28,7 @@ hold the two to the same tokens and the same acceptance.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -334,12 +334,20 @@ def pack_spec(chunks: Sequence[Chunk], spec_lens: Sequence[int], tokens: int, re
     return SpecBatch(**spec)
 
 
-def make_spec_step(graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, geometry, ops: OpSet, k: int):
+def make_spec_step(graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, geometry, ops: OpSet, k: int,
+                   depth: int | None = None):
     """The pure fused step: the target's step over the batch, `verify` of every request's
     drafts, the committed positions' taps into the draft rings, and the next block drafted
     from each request's newest token. (params, head_params, state, draft, pending, batch,
     spec, draft_lm_head) -> (state, draft, pending, SpecOutputs); draft_lm_head is the LM head
-    the draft uses (the target's, or its `quant.Fp8Rows`)."""
+    the draft uses (the target's, or its `quant.Fp8Rows`).
+
+    depth: how many drafts the next block has (default K; load-aware depth drafts fewer). The
+    pending block is padded to K (token 0, q = 0, confidence logit -inf); the next step must
+    verify at most `depth` of them."""
+    depth = k if depth is None else depth
+    if not 1 <= depth <= k:
+        raise ValueError(f"depth must lie in [1, {k}], got {depth}")
     def step(params, head_params, state, draft: DraftState, pending: Pending, batch, spec: SpecBatch, draft_lm_head):
         model = nnx.merge(graphdef, params)
         head = nnx.merge(head_graphdef, head_params)
@@ -385,7 +393,11 @@ def make_spec_step(graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, geometry
         anchor_pos = token_pos + verdict.accepted  # the newest committed position
         embed = params["embed"]["weight"][...]
         prop = propose(head, anchor, anchor_pos, draft.rings[:, slot], draft.ring_pos[slot], embed, draft_lm_head,
-                       temperature, top_k, top_p, min_p, seed, ops)
+                       temperature, top_k, top_p, min_p, seed, ops, depth)
+        pad = k - depth
+        prop = dataclasses.replace(
+            prop, tokens=jnp.pad(prop.tokens, ((0, 0), (0, pad))), probs=jnp.pad(prop.probs, ((0, 0), (0, pad), (0, 0))),
+            confidence_logits=jnp.pad(prop.confidence_logits, ((0, 0), (0, pad)), constant_values=-jnp.inf))
         write = jnp.where(live & (batch.req_slot >= 0), batch.req_slot, s)  # out of range: dropped
         pending = Pending(tokens=pending.tokens.at[write].set(prop.tokens, mode="drop"),
                           probs=pending.probs.at[write].set(prop.probs, mode="drop"))
@@ -402,13 +414,19 @@ class SpecRunner:
     compiled in `warmup` (or on first use)."""
 
     def __init__(self, runner: StepRunner, head: DSparkHead, ops: OpSet, *, k: int,
-                 draft_lm_head: jax.Array | quant.Fp8Rows | None = None):
+                 draft_lm_head: jax.Array | quant.Fp8Rows | None = None, depths: Sequence[int] = ()):
         """runner: the target's runner (its buckets need K + 1 output rows per request and a tap
         row per token: `make_buckets(..., max_spec_tokens=K, taps=True)`); draft_lm_head: the
-        LM head the draft uses (default: the target's)."""
+        LM head the draft uses (default: the target's); depths: the block depths `run` may ask
+        for (default: K only), one program per bucket and depth."""
         cfg = head.cfg
         if runner.geometry.max_spec_tokens < k:
             raise ValueError(f"the state holds {runner.geometry.max_spec_tokens} speculative tokens, need {k}")
+        if not 1 <= k <= head.block_size:
+            raise ValueError(f"K must lie in [1, {head.block_size}] (the head's block size), got {k}")
+        self.depths = tuple(sorted(set(depths) | {k}))
+        if not all(1 <= d <= k for d in self.depths):
+            raise ValueError(f"depths must lie in [1, {k}], got {list(depths)}")
         self.runner, self.k, self.geometry = runner, k, runner.geometry
         head_graphdef, self._head_params = nnx.split(head)
         self._draft_lm_head = runner.params["head"]["weight"][...] if draft_lm_head is None else draft_lm_head
@@ -418,8 +436,8 @@ class SpecRunner:
                                       Pending(tokens=jnp.zeros((n, k), jnp.int32),
                                               probs=jnp.zeros((n, k, v), jnp.float32))))
         self.draft, self.pending = self._init()
-        self._step = jax.jit(make_spec_step(runner.graphdef, head_graphdef, runner.geometry, ops, k),
-                             donate_argnums=(2, 3, 4))
+        self._steps = {d: jax.jit(make_spec_step(runner.graphdef, head_graphdef, runner.geometry, ops, k, d),
+                                  donate_argnums=(2, 3, 4)) for d in self.depths}
         self._compiled: dict = {}
 
     def reset(self) -> None:
@@ -427,27 +445,37 @@ class SpecRunner:
         self.draft, self.pending = self._init()
         self.runner.reset_state()
 
-    def warmup(self) -> None:
-        for bucket in self.runner.buckets:
-            self._program(bucket)
+    def warmup(self, progress: Callable[[int, int, tuple], None] | None = None) -> None:
+        """Compile every (bucket, depth) program; `progress(i, n, (bucket, depth))` before each."""
+        todo = [(b, d) for b in self.runner.buckets for d in self.depths]
+        for i, (bucket, depth) in enumerate(todo):
+            if progress is not None:
+                progress(i, len(todo), (bucket, depth))
+            self._program(bucket, depth)
 
-    def _program(self, bucket):
-        if bucket not in self._compiled:
+    def _program(self, bucket, depth: int):
+        key = (bucket, depth)
+        if key not in self._compiled:
             batch = pack_batch([], bucket, self.geometry)
             spec = pack_spec([], [], bucket.tokens, bucket.requests)
-            self._compiled[bucket] = self._step.lower(self.runner.params, self._head_params, self.runner.state,
-                                                      self.draft, self.pending, batch, spec,
-                                                      self._draft_lm_head).compile()
-        return self._compiled[bucket]
+            self._compiled[key] = self._steps[depth].lower(self.runner.params, self._head_params, self.runner.state,
+                                                           self.draft, self.pending, batch, spec,
+                                                           self._draft_lm_head).compile()
+        return self._compiled[key]
 
-    def run(self, chunks: Sequence[Chunk], spec_lens: Sequence[int], fresh: Sequence[bool] = ()) -> SpecOutputs:
-        """One fused step (`SpecBatch` says what spec_lens and fresh mean); outputs on the host."""
+    def run(self, chunks: Sequence[Chunk], spec_lens: Sequence[int], fresh: Sequence[bool] = (),
+            depth: int | None = None) -> SpecOutputs:
+        """One fused step (`SpecBatch` says what spec_lens and fresh mean) whose next blocks
+        have `depth` drafts (one of `depths`; default K); outputs on the host."""
+        depth = self.k if depth is None else depth
+        if depth not in self._steps:
+            raise ValueError(f"depth {depth} was not compiled (depths {list(self.depths)})")
         runner = self.runner
         bucket = runner.bucket_for(sum(len(c.tokens) for c in chunks), len(chunks),
                                    sum(len(c.outputs) for c in chunks), sum(len(c.taps) for c in chunks))
         batch = pack_batch(chunks, bucket, self.geometry)
         spec = pack_spec(chunks, spec_lens, bucket.tokens, bucket.requests, fresh)
-        runner.state, self.draft, self.pending, out = self._program(bucket)(
+        runner.state, self.draft, self.pending, out = self._program(bucket, depth)(
             runner.params, self._head_params, runner.state, self.draft, self.pending, batch, spec,
             self._draft_lm_head)
         return jax.device_get(out)

@@ -117,11 +117,12 @@ class Proposal:
 
 def propose(head, anchor_R: jax.Array, anchor_pos_R: jax.Array, rings_ZRSH: jax.Array, ring_pos_RS: jax.Array,
             embed_VD: jax.Array, head_VD: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array,
-            top_p_R: jax.Array, min_p_R: jax.Array, seed_R: jax.Array, ops) -> Proposal:
+            top_p_R: jax.Array, min_p_R: jax.Array, seed_R: jax.Array, ops, depth: int | None = None) -> Proposal:
     """Draft one block per request with a `dsv4.layers.dspark.DSparkHead` (spec 9.4, 9.5): one
     pass of the stages for the base logits, then the Markov head left to right, each draft
-    drawn by Gumbel-max on the DRAFT stream (argmax at temperature 0)."""
-    base, xh = head.base_logits(anchor_R, anchor_pos_R, rings_ZRSH, ring_pos_RS, embed_VD, head_VD, ops)
+    drawn by Gumbel-max on the DRAFT stream (argmax at temperature 0). depth: the block's
+    length (default: the head's block size; `DSparkHead.base_logits`)."""
+    base, xh = head.base_logits(anchor_R, anchor_pos_R, rings_ZRSH, ring_pos_RS, embed_VD, head_VD, ops, depth)
     prev = anchor_R.astype(jnp.int32)
     tokens, probs, conf = [], [], []
     for k in range(base.shape[1]):

@@ -20,6 +20,12 @@ request's K drafts can lose throughput. The planner here decides, per step:
   request keeps a prefix), and the admission stops where expected tokens x SPS peaks.
 - Load-aware depth: the drafter need not draft deeper than the deepest verification it will
   be given; `physical_depth` is the largest L_r of the last plan.
+- Fixed-width vs compact verification (`CapacityVerifier`): while few requests decode, the
+  step is bound by reading the weights and K + 1 rows per request cost about what one does,
+  so every request verifies all its drafts (fixed width). Above the activation knee (the
+  most requests whose fixed-width step stays within `KNEE_SLOWDOWN` of the one-request
+  step, read off the speed table) only the admitted drafts are scored (compact), and the
+  next blocks are drafted no deeper than the deepest admitted length.
 
 Default (off) is fixed K for every request; the engine uses this only when asked.
 """
@@ -184,3 +190,92 @@ def plan_lengths(survival_RK: Sequence[Sequence[float]], table: StepSpeedTable, 
 def physical_depth(plan: Plan, k: int) -> int:
     """How deep the drafter needs to draft for the next step (at least 1, at most K)."""
     return max(1, min(k, max(plan.lengths, default=0)))
+
+
+KNEE_SLOWDOWN = 0.10  # a fixed-width step this much slower than the one-request step is past the knee
+
+
+def activation_knee(table: StepSpeedTable, k: int, max_requests: int) -> int:
+    """The most requests (up to max_requests) whose fixed-width verification step, R x (K + 1)
+    rows, runs within KNEE_SLOWDOWN of the one-request step (at least 1)."""
+    base = table.step_seconds(k + 1)
+    knee = 1
+    for r in range(1, max_requests + 1):
+        if table.step_seconds(r * (k + 1)) <= (1 + KNEE_SLOWDOWN) * base:
+            knee = r
+    return knee
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyPlan:
+    """One step's verification: drafts per decoding request, the depth of the blocks the step
+    drafts next, and whether it is compact (lengths admitted by `plan_lengths`)."""
+
+    lengths: list[int]
+    depth: int
+    compact: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityTelemetry:
+    knee_requests: int
+    step_table: StepSpeedTable
+    compact_steps: int
+    fixed_steps: int
+    mean_length: float  # mean drafts admitted per decoding request (over compact steps)
+    depth: int  # the depth of the last drafted blocks
+    tau: tuple[float, ...]  # per-position confidence temperatures
+    calibration_error: tuple[float | None, ...]  # per position (None: nothing observed yet)
+
+
+class CapacityVerifier:
+    """Capacity-aware verification for the engine (module docstring): `plan` before a step,
+    `observe` after it for every request that verified drafts."""
+
+    def __init__(self, k: int, table: StepSpeedTable, *, depths: Sequence[int] = (), knee_requests: int | None = None,
+                 max_requests: int = 1024, calibrator: SurvivalCalibrator | None = None):
+        """depths: the block depths the drafter can run (its compiled programs; K is added);
+        knee_requests: fixed-width verification up to this many decoding requests (default:
+        `activation_knee` of the table)."""
+        self.k, self.table = k, table
+        self.depths = tuple(sorted(set(depths) | {k}))
+        if not all(1 <= d <= k for d in self.depths):
+            raise ValueError(f"depths must lie in [1, {k}], got {list(depths)}")
+        self.knee = knee_requests if knee_requests is not None else activation_knee(table, k, max_requests)
+        if self.knee < 0:
+            raise ValueError(f"knee_requests must be >= 0, got {knee_requests}")
+        self.calibrator = calibrator or SurvivalCalibrator(k)
+        self._compact = self._fixed = 0
+        self._admitted = self._requests = 0
+        self._depth = k
+
+    def plan(self, confidence: Sequence[Sequence[float] | None], caps: Sequence[int], *, other_tokens: int = 0
+             ) -> VerifyPlan:
+        """Lengths for the decoding requests: confidence[i] the logits of request i's pending
+        block (None: none yet), caps[i] the most it may verify (its pending depth, tokens left)."""
+        caps = [max(0, min(self.k, c)) for c in caps]
+        if not caps:  # nothing decodes: the blocks drafted now (after prefills) are full ones
+            return VerifyPlan([], self.k, compact=False)
+        if len(caps) <= self.knee:
+            self._fixed += 1
+            self._depth = self.k
+            return VerifyPlan(list(caps), self.k, compact=False)
+        survival = [self.calibrator.survival(c[:cap]) if c is not None and cap else np.zeros(0)
+                    for c, cap in zip(confidence, caps)]
+        plan = plan_lengths(survival, self.table, max_lengths=[len(s) for s in survival], other_tokens=other_tokens)
+        want = physical_depth(plan, self.k)
+        self._depth = next(d for d in self.depths if d >= want)
+        self._compact += 1
+        self._admitted += sum(plan.lengths)
+        self._requests += len(plan.lengths)
+        return VerifyPlan(plan.lengths, self._depth, compact=True)
+
+    def observe(self, confidence: Sequence[float], verified: int, accepted: int) -> None:
+        self.calibrator.observe(confidence, verified, accepted)
+
+    def telemetry(self) -> CapacityTelemetry:
+        cal = self.calibrator
+        return CapacityTelemetry(knee_requests=self.knee, step_table=self.table, compact_steps=self._compact,
+                                 fixed_steps=self._fixed, mean_length=self._admitted / max(1, self._requests),
+                                 depth=self._depth, tau=tuple(cal.tau),
+                                 calibration_error=tuple(cal.calibration_error(j) for j in range(self.k)))

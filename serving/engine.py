@@ -49,6 +49,7 @@ import numpy as np
 
 from dsv4.batch import Bucket, Chunk
 from dsv4.state import StateGeometry
+from serving.capacity import CapacityTelemetry, CapacityVerifier
 from serving.prefix_cache import BlockManager
 
 
@@ -118,6 +119,7 @@ class EngineRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
     priority: int = 0  # lower runs first; ties by arrival
+    speculate: bool = True  # False: never verify drafts for it (plain decoding), even under speculation
 
 
 @dataclasses.dataclass
@@ -172,6 +174,30 @@ class EngineStats:
     prefix_hit_tokens: int  # prompt tokens those hits did not recompute
     host_ms_per_step: float  # mean time planning a step and handling its outputs
     run_ms_per_step: float  # mean time in the runner (packing, device, fetching outputs)
+    speculation: SpeculationStats | None = None  # None: speculation off
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculationStats:
+    """Drafting since start. A verification is one request's [anchor, drafts] in one step
+    (0 drafts included); position j counts the verifications that reached draft j (every
+    draft before it accepted) and those that accepted it."""
+
+    draft_tokens: int
+    accepted_draft_tokens: int
+    verifications: int
+    position_reached: tuple[int, ...]
+    position_accepted: tuple[int, ...]
+    capacity: CapacityTelemetry | None = None  # capacity-aware verification on
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per verification (accepted drafts + the target's own token)."""
+        return (self.accepted_draft_tokens + self.verifications) / max(1, self.verifications)
+
+    @property
+    def acceptance_by_position(self) -> tuple[float | None, ...]:
+        return tuple(a / n if n else None for a, n in zip(self.position_accepted, self.position_reached))
 
 
 class StepRunnerLike(Protocol):
@@ -217,6 +243,8 @@ class _Live:
     drafted: int = 0  # speculation: drafts verified for it
     accepted: int = 0  # speculation: drafts accepted
     fresh: bool = True  # speculation: its next chunk is its first in its slot since admission
+    depth: int = 0  # speculation: drafts in its pending block on the device (0: none of its own yet)
+    confidence: np.ndarray | None = None  # speculation: the pending block's confidence logits [depth]
 
     @property
     def generated(self) -> list[int]:
@@ -237,11 +265,20 @@ class Engine:
 
     def __init__(self, runner: StepRunnerLike, limits: EngineLimits, *, data_shards: int = 1,
                  prefix_cache: bool = False, clock: Callable[[], float] = time.monotonic,
-                 seed_source: Callable[[], int] | None = None, speculator=None):
+                 seed_source: Callable[[], int] | None = None, speculator=None,
+                 capacity: CapacityVerifier | None = None):
         """prefix_cache: share the pages (and restore the rings) of block-aligned prompt
         prefixes (`serving.prefix_cache`); needs a runner with snapshot slots and one data shard.
         speculator: a `dsv4.spec_decode.SpecRunner` on `runner`: every decoding request then
-        verifies up to K drafts per step (synchronous steps: no host/device overlap)."""
+        verifies up to K drafts per step (synchronous steps: no host/device overlap).
+        capacity: capacity-aware verification (`serving.capacity.CapacityVerifier`) choosing
+        how many drafts each request verifies and how deep the next blocks are; default:
+        every request verifies K."""
+        if capacity is not None and speculator is None:
+            raise ValueError("capacity-aware verification needs a speculator")
+        if capacity is not None and (capacity.k != speculator.k or not set(capacity.depths) <= set(speculator.depths)):
+            raise ValueError(f"the capacity verifier (K {capacity.k}, depths {list(capacity.depths)}) does not match "
+                             f"the speculator (K {speculator.k}, depths {list(speculator.depths)})")
         geo = runner.geometry
         if limits.max_num_batched_tokens > runner.buckets[-1].tokens:
             raise ValueError(f"max_num_batched_tokens {limits.max_num_batched_tokens} exceeds the largest bucket "
@@ -273,6 +310,12 @@ class Engine:
         self._steps = self._tokens = self._generated = self._preemptions = 0
         self._host_s = self._run_s = 0.0
         self._spec = speculator
+        self._capacity = capacity
+        self._verify_lengths: dict[int, int] = {}  # id(live) -> drafts it verifies this step
+        self._depth = speculator.k if speculator is not None else 0  # of the blocks the next step drafts
+        k = speculator.k if speculator is not None else 0
+        self._reached, self._accepted_at = [0] * k, [0] * k
+        self._verifications = self._drafted = self._accepted = 0
 
     # ---- interface ---------------------------------------------------------------------
 
@@ -339,7 +382,8 @@ class Engine:
                            tokens_generated=self._generated, preemptions=self._preemptions,
                            cached_pages=self._pages.cached_pages(), prefix_hits=self._pages.hits,
                            prefix_hit_tokens=self._pages.hit_tokens,
-                           host_ms_per_step=1e3 * self._host_s / n, run_ms_per_step=1e3 * self._run_s / n)
+                           host_ms_per_step=1e3 * self._host_s / n, run_ms_per_step=1e3 * self._run_s / n,
+                           speculation=self._speculation_stats())
 
     def step(self) -> list[RequestOutput]:
         """Launch the next step and return the outputs of the one before (every request that
@@ -393,7 +437,7 @@ class Engine:
                 if live in queue:
                     queue.remove(live)
                     self._release(live)
-        reset = getattr(self.runner, "reset_state", None)
+        reset = self._spec.reset if self._spec is not None else getattr(self.runner, "reset_state", None)
         if reset is not None:
             reset()
         for live in list(self._running):
@@ -458,7 +502,7 @@ class Engine:
                 break
             self._waiting.pop(0)
             self._free_slots.remove(slot)
-            live.slot, live.committed, live.fresh = slot, 0, True
+            live.slot, live.committed, live.fresh, live.depth, live.confidence = slot, 0, True, 0, None
             self._restore_prefix(live)
             if live.admitted_at is None:
                 live.admitted_at = self._clock()
@@ -589,12 +633,32 @@ class Engine:
         """Everything but its newest token is in the state (the newest is the next anchor)."""
         return live.committed == len(live.tokens) - 1 and len(live.tokens) > live.prompt_len
 
-    def _draft_room(self, live: _Live) -> int:
-        """Drafts a decoding request can verify this step: K, but never past its last token."""
-        if self._spec is None or not self._decoding(live):
+    def _draft_cap(self, live: _Live) -> int:
+        """The most drafts a decoding request can verify this step: those of its pending block
+        (K, or fewer under load-aware depth), never past its last token."""
+        if self._spec is None or not self._decoding(live) or not live.req.speculate:
             return 0
         left = min(live.req.sampling.max_tokens - len(live.generated), self.limits.max_model_len - len(live.tokens))
-        return max(0, min(self._spec.k, left - 1))
+        return max(0, min(live.depth, left - 1))
+
+    def _draft_room(self, live: _Live) -> int:
+        """Drafts a request verifies this step (planned in `_plan_verification`)."""
+        return self._verify_lengths.get(id(live), 0) if self._spec is not None else 0
+
+    def _plan_verification(self) -> None:
+        """Before scheduling: how many drafts each decoding request verifies, and how deep the
+        blocks this step drafts are (K; with capacity-aware verification, its plan)."""
+        decoding = [live for live in self._running if self._decoding(live)]
+        caps = [self._draft_cap(live) for live in decoding]
+        if self._capacity is None:
+            lengths, self._depth = caps, self._spec.k
+        else:
+            budget = self.limits.max_num_batched_tokens - sum(1 + c for c in caps)
+            prefill = sum(live.length - live.committed for live in self._running if not self._decoding(live))
+            plan = self._capacity.plan([live.confidence for live in decoding], caps,
+                                       other_tokens=max(0, min(budget, prefill)))
+            lengths, self._depth = plan.lengths, plan.depth
+        self._verify_lengths = {id(live): n for live, n in zip(decoding, lengths)}
 
     def _speculative_chunk(self, live: _Live, n: int) -> tuple[Chunk, int]:
         """(chunk, drafts it verifies: >= 0 with an output, -1 for a prefill chunk without one)."""
@@ -617,14 +681,17 @@ class Engine:
         program, then hand out each request's accepted drafts and its next token."""
         outputs, self._aborted = self._aborted, []
         t0 = time.perf_counter()
+        self._plan_verification()
         plan = self._schedule()
         if not plan:
             return outputs
         made = [self._speculative_chunk(live, n) for live, n in plan]
+        decoding = [self._decoding(live) for live, _ in plan]
         t1 = time.perf_counter()
+        depth = self._depth
         try:
             result = self._spec.run([c for c, _ in made], [length for _, length in made],
-                                    [live.fresh for live, _ in plan])
+                                    [live.fresh for live, _ in plan], depth=depth)
         except Exception as e:
             self._aborted = outputs + self._aborted
             raise self._recover([live for live, _ in plan], e) from e
@@ -639,8 +706,9 @@ class Engine:
                 continue
             a = int(result.accepted[i])
             live.committed += n - (length - a)  # the anchor and the accepted drafts (a prefill: all n)
-            live.drafted += length
-            live.accepted += a
+            if decoding[i]:
+                self._count_verification(live, length, a)
+            live.depth, live.confidence = depth, np.asarray(result.confidence_logits[i][:depth], np.float64)
             new: list[int] = []
             reason = None
             for token in result.tokens[i, :a + 1].tolist():
@@ -664,6 +732,26 @@ class Engine:
         self._host_s += (t1 - t0) + (time.perf_counter() - t2)
         self._run_s += t2 - t1
         return outputs
+
+    def _count_verification(self, live: _Live, length: int, accepted: int) -> None:
+        live.drafted += length
+        live.accepted += accepted
+        self._drafted += length
+        self._accepted += accepted
+        self._verifications += 1
+        for j in range(min(length, accepted + 1)):  # drafts reached: the accepted ones and the rejection
+            self._reached[j] += 1
+            self._accepted_at[j] += j < accepted
+        if self._capacity is not None and length and live.confidence is not None:
+            self._capacity.observe(live.confidence, length, accepted)
+
+    def _speculation_stats(self) -> SpeculationStats | None:
+        if self._spec is None:
+            return None
+        return SpeculationStats(draft_tokens=self._drafted, accepted_draft_tokens=self._accepted,
+                                verifications=self._verifications, position_reached=tuple(self._reached),
+                                position_accepted=tuple(self._accepted_at),
+                                capacity=self._capacity.telemetry() if self._capacity is not None else None)
 
     # ---- outputs -----------------------------------------------------------------------
 

@@ -91,3 +91,34 @@ def test_the_speed_table_is_measured_on_the_runners_buckets(tmp_path):
     assert table.tokens == (2, 8) and table.seconds == (1.0, 1.0)  # each timed run took one tick
     real = measure_step_speed(runner, repeats=2)
     assert real.tokens == (2, 8) and all(s > 0 for s in real.seconds)
+
+
+def test_the_knee_is_where_fixed_width_steps_slow_down():
+    from serving.capacity import activation_knee
+
+    flat_then_linear = StepSpeedTable.from_measurements({6: 0.010, 24: 0.0105, 48: 0.020, 96: 0.040})
+    assert activation_knee(flat_then_linear, 5, 64) == 4  # 4 x 6 rows: 0.0105 s; 5 x 6: 0.0129 s > 1.1 x 0.010
+    assert activation_knee(StepSpeedTable.from_measurements({1: 0.01}), 5, 7) == 1  # past the table: linear
+    assert activation_knee(StepSpeedTable.from_measurements({1: 0.01, 1000: 0.01}), 5, 7) == 7
+
+
+def test_verifier_is_fixed_width_below_the_knee_and_compact_above():
+    from serving.capacity import CapacityVerifier
+
+    steep = StepSpeedTable.from_measurements({n: 0.01 + 0.004 * n for n in range(1, 64)})
+    v = CapacityVerifier(5, steep, depths=(1, 3), knee_requests=2)
+    conf = [np.array([4.0, 4.0, -4.0, -4.0, -4.0]), np.array([-6.0] * 5), None]
+    fixed = v.plan(conf[:2], [5, 4])
+    assert fixed.lengths == [5, 4] and fixed.depth == 5 and not fixed.compact
+    compact = v.plan(conf, [5, 5, 0])
+    assert compact.compact and compact.lengths[2] == 0 and compact.lengths[1] == 0
+    assert 1 <= compact.lengths[0] <= 2 and compact.depth == max(1, 3 if compact.lengths[0] > 1 else 1)
+    want = plan_lengths([v.calibrator.survival(c) for c in conf[:2]] + [[]], steep, max_lengths=[5, 5, 0])
+    assert compact.lengths == want.lengths
+    v.observe(conf[0], 2, 1)
+    t = v.telemetry()
+    assert (t.knee_requests, t.fixed_steps, t.compact_steps, t.depth) == (2, 1, 1, compact.depth)
+    assert t.mean_length == pytest.approx(sum(compact.lengths) / 3)
+    assert t.calibration_error[0] is not None and t.calibration_error[4] is None
+    with pytest.raises(ValueError, match="depths"):
+        CapacityVerifier(5, steep, depths=(6,))

@@ -36,11 +36,11 @@ def parts(tmp_path_factory):
     runner = StepRunner(model.graphdef, model.params, SPEC, geometry,
                         make_buckets(32, 4, max_spec_tokens=K, taps=True, token_sizes=[8, 32]), ops_for("reference"))
     spec = SpecRunner(runner, head, ops_for("reference"), k=K)
-    return model, runner, spec
+    return model, runner, spec, path
 
 
 def engine(parts, **kw):
-    _, runner, spec = parts
+    _, runner, spec, _ = parts
     spec.reset()
     limits = EngineLimits(vocab_size=SPEC.vocab_size, eos_token_ids=(), max_num_batched_tokens=32,
                           max_model_len=MAX_LEN, max_waiting=64)
@@ -94,3 +94,36 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(parts):
 def test_logprobs_are_refused_under_speculation(parts):
     eng = engine(parts)
     assert any("speculative" in p for p in eng.validate(EngineRequest("l", (1, 2), SamplingParams(logprobs=2))))
+
+
+def test_capacity_aware_verification_keeps_greedy_output_and_reports_telemetry(parts):
+    """Compact verification from the first request on (knee 0) with a steep step-time table,
+    so that lengths and the drafted depth vary: the tokens are still plain greedy's; a
+    request that opts out verifies nothing; the counters add up."""
+    from serving.capacity import CapacityVerifier, StepSpeedTable
+
+    model, runner, _, path = parts
+    head = load_draft(path, dtype=jnp.float32)
+    spec = SpecRunner(runner, head, ops_for("reference"), k=K, depths=(2,))
+    steep = StepSpeedTable.from_measurements({n: 0.01 + 0.003 * n for n in range(1, 33)})
+    capacity = CapacityVerifier(K, steep, depths=(2,), knee_requests=0)
+    limits = EngineLimits(vocab_size=SPEC.vocab_size, eos_token_ids=(), max_num_batched_tokens=32,
+                          max_model_len=MAX_LEN, max_waiting=64)
+    eng = Engine(runner, limits, speculator=spec, capacity=capacity)
+    want = model.generate(PROMPTS, 25, max_num_seqs=3, max_num_batched_tokens=32)
+    reqs = [EngineRequest(str(i), tuple(p), SamplingParams(max_tokens=25, ignore_eos=True), speculate=i != 1)
+            for i, p in enumerate(PROMPTS)]
+    out, finals = run_all(eng, reqs)
+    assert [out[str(i)] for i in range(3)] == want
+    usage = [finals[str(i)].usage for i in range(3)]
+    assert usage[1].draft_tokens == 0 and usage[0].draft_tokens > 0
+    stats = eng.stats().speculation
+    assert stats.draft_tokens == sum(u.draft_tokens for u in usage)
+    assert stats.accepted_draft_tokens == sum(u.accepted_draft_tokens for u in usage)
+    assert stats.position_accepted[0] + stats.position_accepted[1] <= stats.accepted_draft_tokens
+    assert sum(stats.position_accepted) == stats.accepted_draft_tokens
+    assert stats.verifications == sum(u.completion_tokens - 1 - u.accepted_draft_tokens for u in usage)
+    t = stats.capacity
+    assert t.compact_steps > 0 and t.fixed_steps == 0 and 0 < t.mean_length < K
+    assert usage[0].draft_tokens < 24 * K  # fewer drafts than fixed-width verification would score
+    assert 2 in {depth for _, depth in spec._compiled}  # some blocks were drafted 2 deep (load-aware depth)

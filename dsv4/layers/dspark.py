@@ -138,8 +138,12 @@ class DSparkHead(nnx.Module):
 
     def base_logits(self, anchor_R: jax.Array, anchor_pos_R: jax.Array, rings_ZRSH: jax.Array,
                     ring_pos_RS: jax.Array, embed_VD: jax.Array, head_VD: jax.Array | quant.Fp8Rows,
-                    ops: OpSet) -> tuple[jax.Array, jax.Array]:
+                    ops: OpSet, depth: int | None = None) -> tuple[jax.Array, jax.Array]:
         """(base logits U [R, K, V] f32, exit hidden xh [R, K, D]) of one block per request.
+
+        depth: the block's length K (default: the trained block size); a shorter block drafts
+        fewer tokens for less work (load-aware depth). The drafts differ from the first K of a
+        full block (the block is bidirectional), which verification does not mind.
 
         head_VD: the target's LM head, dense (an f32 matmul, as the reference), or as
         `quant.Fp8Rows` (`quant.quant_fp8_rows(head)`, made once) for the opt-in row-wise FP8
@@ -151,7 +155,9 @@ class DSparkHead(nnx.Module):
         Slot j is read iff anchor_pos - S < ring_pos[j] <= anchor_pos.
         """
         cfg = self.cfg
-        k = self.block_size
+        k = self.block_size if depth is None else depth
+        if not 1 <= k <= self.block_size:
+            raise ValueError(f"depth must lie in [1, {self.block_size}], got {k}")
         r = anchor_R.shape[0]
         ids = jnp.concatenate([anchor_R[:, None].astype(jnp.int32),
                                jnp.full((r, k - 1), cfg.dspark_noise_token_id, jnp.int32)], axis=1)
