@@ -114,6 +114,20 @@ def load_checkpoint(directory: str | os.PathLike, *, dtype: jnp.dtype = jnp.bflo
         reader.close()
 
 
+def has_draft(directory: str | os.PathLike) -> bool:
+    """Whether the checkpoint has a DSpark head: its config describes one and it has `mtp.*`
+    tensors (`load_draft` then checks them all)."""
+    directory = os.fspath(directory)
+    cfg = ModelConfig.from_hf_json(directory)
+    if cfg.num_draft_stages < 1 or cfg.dspark_block_size < 1 or not cfg.dspark_target_layer_ids:
+        return False
+    reader = CheckpointReader(directory)
+    try:
+        return any(name.startswith(DRAFT_PREFIX) for name in reader.names())
+    finally:
+        reader.close()
+
+
 def load_draft(directory: str | os.PathLike, *, dtype: jnp.dtype = jnp.bfloat16, quantized: bool = False,
                config_overrides: dict | None = None, sharding: ShardingFn | None = None,
                progress: ProgressFn | None = None) -> DSparkHead:

@@ -19,6 +19,7 @@ from flax import nnx
 
 from dsv4.config import ModelConfig
 from dsv4.generation import Generator, derive_seed
+from dsv4.layers.dspark import DSparkHead
 from dsv4.model import Transformer
 from dsv4.ops.registry import Backend, ops_for, parse_backend
 from dsv4.sharding import Placement
@@ -32,8 +33,9 @@ class Model:
     """A loaded target tower with its op backend. Holds the parameters on device."""
 
     def __init__(self, module: Transformer, backend: Backend, load_summary: str = "",
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, draft_head: DSparkHead | None = None):
         self.config: ModelConfig = module.cfg
+        self.draft_head = draft_head  # the DSpark head when loaded with draft="dspark" (else None)
         self.backend = backend
         self.placement = placement  # the mesh and rules the parameters are sharded by (None: one device)
         self.load_summary = load_summary  # one line: what was loaded from where
@@ -150,7 +152,7 @@ class Model:
 
 def load_pretrained(path: str | os.PathLike, *, dtype: str | Any | None = None, backend: str | Backend = "reference",
                     quantized: bool | None = None, fake_quant: bool | None = None,
-                    placement: Placement | None = None) -> Model:
+                    placement: Placement | None = None, draft: str = "none") -> Model:
     """Load a DeepSeek-V4 checkpoint directory for inference: the official safetensors format
     (streamed tensor by tensor), or a directory written by `python -m checkpoints.convert`
     (Orbax, restored directly; its dtype and quantization were fixed at conversion).
@@ -166,10 +168,18 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | Any | None = None, 
     placement: shard over a device mesh (`dsv4.sharding.Placement(make_mesh(...), deployment)`):
         every tensor goes straight onto its shards while loading, and `generate` runs the
         sharded step. None: the default device.
+    draft: "dspark" also loads the DSpark draft head (the `mtp.*` tensors) as `Model.draft_head`,
+        for speculative decoding (`dsv4.spec_decode`); CheckpointError when the checkpoint has
+        none (`checkpoints.loader.has_draft` tells beforehand). "none": the target only.
     """
+    if draft not in ("none", "dspark"):
+        raise ValueError(f"draft must be 'none' or 'dspark', got {draft!r}")
+    if draft != "none" and placement is not None:
+        raise ValueError("speculative decoding on a device mesh is not supported yet: load the draft head "
+                         "without a placement")
     # Imported here: `checkpoints` depends on `dsv4`, not the other way round; this facade is
     # the one place the model package reaches the loader.
-    from checkpoints.loader import load_checkpoint
+    from checkpoints.loader import load_checkpoint, load_draft
     from checkpoints.orbax_io import is_converted, restore_converted
 
     converted = is_converted(path)
@@ -182,6 +192,9 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | Any | None = None, 
         dtype = _DTYPES[dtype]
     backend = parse_backend(backend)
     if converted:
+        if draft != "none":
+            raise ValueError(f"{path} is a converted checkpoint, which keeps no draft head: load the official "
+                             f"directory for speculative decoding")
         # Storage (dtype, quantized) was fixed at conversion: None accepts it, a different request raises.
         module, manifest = restore_converted(path, dtype=dtype, quantized=quantized, fake_quant=fake_quant,
                                              sharding=sharding)
@@ -191,4 +204,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | Any | None = None, 
     overrides = {} if fake_quant is None else {"fake_quant": fake_quant}
     module, report = load_checkpoint(path, dtype=dtype, quantized=bool(quantized), config_overrides=overrides,
                                      sharding=sharding)
-    return Model(module, backend, report.summary(), placement)
+    head = None
+    if draft == "dspark":
+        head = load_draft(path, dtype=dtype, quantized=bool(quantized), config_overrides=overrides, sharding=sharding)
+    return Model(module, backend, report.summary(), placement, draft_head=head)

@@ -40,7 +40,7 @@ from dsv4.batch import Chunk, pack_batch
 from dsv4.layers.dspark import RING, DSparkHead
 from dsv4.ops.registry import OpSet
 from dsv4.speculative import propose, verify
-from dsv4.step import StepRunner
+from dsv4.step import StepRunner, temp_bytes
 
 
 @jax.tree_util.register_dataclass
@@ -440,17 +440,21 @@ class SpecRunner:
                                   donate_argnums=(2, 3, 4)) for d in self.depths}
         self._compiled: dict = {}
 
+    @property
+    def buckets(self):
+        return self.runner.buckets
+
     def reset(self) -> None:
         """Empty draft rings and pending drafts, and a fresh target state."""
         self.draft, self.pending = self._init()
         self.runner.reset_state()
 
-    def warmup(self, progress: Callable[[int, int, tuple], None] | None = None) -> None:
-        """Compile every (bucket, depth) program; `progress(i, n, (bucket, depth))` before each."""
+    def warmup(self, progress: Callable[[int, int, object], None] | None = None) -> None:
+        """Compile every (bucket, depth) program; `progress(i, n, bucket)` before each."""
         todo = [(b, d) for b in self.runner.buckets for d in self.depths]
         for i, (bucket, depth) in enumerate(todo):
             if progress is not None:
-                progress(i, len(todo), (bucket, depth))
+                progress(i, len(todo), bucket)
             self._program(bucket, depth)
 
     def _program(self, bucket, depth: int):
@@ -470,11 +474,23 @@ class SpecRunner:
         depth = self.k if depth is None else depth
         if depth not in self._steps:
             raise ValueError(f"depth {depth} was not compiled (depths {list(self.depths)})")
+        bucket = self.runner.bucket_for(sum(len(c.tokens) for c in chunks), len(chunks),
+                                        sum(len(c.outputs) for c in chunks), sum(len(c.taps) for c in chunks))
+        return self._run(bucket, depth, pack_batch(chunks, bucket, self.geometry),
+                         pack_spec(chunks, spec_lens, bucket.tokens, bucket.requests, fresh))
+
+    def run_empty(self, bucket, depth: int | None = None) -> None:
+        """Run the (bucket, depth) program over an all-padding batch and wait (for timing it:
+        `serving.capacity.measure_step_speed`); nothing is written."""
+        self._run(bucket, self.k if depth is None else depth, pack_batch([], bucket, self.geometry),
+                  pack_spec([], [], bucket.tokens, bucket.requests))
+
+    def workspace_bytes(self) -> int | None:
+        """The most temporary device memory any compiled program needs (`dsv4.step.temp_bytes`)."""
+        return temp_bytes(self._compiled.values())
+
+    def _run(self, bucket, depth: int, batch, spec: SpecBatch) -> SpecOutputs:
         runner = self.runner
-        bucket = runner.bucket_for(sum(len(c.tokens) for c in chunks), len(chunks),
-                                   sum(len(c.outputs) for c in chunks), sum(len(c.taps) for c in chunks))
-        batch = pack_batch(chunks, bucket, self.geometry)
-        spec = pack_spec(chunks, spec_lens, bucket.tokens, bucket.requests, fresh)
         runner.state, self.draft, self.pending, out = self._program(bucket, depth)(
             runner.params, self._head_params, runner.state, self.draft, self.pending, batch, spec,
             self._draft_lm_head)

@@ -129,6 +129,18 @@ def make_buckets(max_num_batched_tokens: int, max_num_seqs: int, *, max_spec_tok
     return tuple(out)
 
 
+def temp_bytes(programs) -> int | None:
+    """The most temporary device memory any of these compiled programs needs (XLA's memory
+    analysis), or None where the backend does not report it."""
+    sizes = []
+    for program in programs:
+        size = getattr(program.memory_analysis(), "temp_size_in_bytes", None)
+        if size is None:
+            return None
+        sizes.append(int(size))
+    return max(sizes, default=None)
+
+
 class CompilePolicy(enum.Enum):
     """What happens when a step needs a program that warm-up did not compile."""
 
@@ -265,14 +277,7 @@ class StepRunner:
     def workspace_bytes(self) -> int | None:
         """The most temporary device memory any compiled step needs (XLA's memory analysis), or
         None where the backend does not report it."""
-        sizes = []
-        for program in self._compiled.values():
-            analysis = program.memory_analysis()
-            size = getattr(analysis, "temp_size_in_bytes", None)
-            if size is None:
-                return None
-            sizes.append(int(size))
-        return max(sizes, default=None)
+        return temp_bytes(self._compiled.values())
 
     def program_text(self, bucket: Bucket) -> str:
         """The compiled step of a warmed-up bucket as HLO text (to inspect its collectives)."""
@@ -313,6 +318,11 @@ class StepRunner:
     def collect(outputs: StepOutputs) -> StepOutputs:
         """A dispatched step's outputs on the host (numpy); waits for the device."""
         return jax.device_get(outputs)
+
+    def run_empty(self, bucket: Bucket) -> None:
+        """Run `bucket`'s program over an all-padding batch and wait: the same program over the
+        same shapes as a full step (for timing it); nothing is written to the state."""
+        self.run_batch(pack_batch([], bucket, self.geometry))
 
     def run_batch(self, batch: StepBatch) -> StepOutputs:
         """Run one step over an already packed batch; returns the outputs on the host (numpy)."""

@@ -45,22 +45,20 @@ TAU_GRID = tuple(float(t) for t in np.geomspace(0.25, 8.0, 31))
 
 
 def measure_step_speed(runner, *, repeats: int = 5, clock: Callable[[], float] = time.perf_counter) -> "StepSpeedTable":
-    """The step-speed table of a warmed-up `dsv4.step.StepRunner`, measured on its device: for
-    each bucket's token count, the median time of `repeats` runs of its smallest bucket with
-    that many tokens. The batches are empty (every row padding), which runs the same program
-    over the same shapes as a full one. Call it before requests arrive (it uses the state)."""
-    from dsv4.batch import pack_batch  # noqa: PLC0415  (serving imports the model lazily)
-
+    """The step-speed table of a warmed-up runner (a `dsv4.step.StepRunner`, or the verify step
+    itself: a `dsv4.spec_decode.SpecRunner`), measured on its device: for each bucket's token
+    count, the median time of `repeats` runs of its smallest bucket with that many tokens.
+    The batches are empty (`run_empty`: every row padding), which runs the same program over
+    the same shapes as a full one. Call it before requests arrive."""
     seconds: dict[int, float] = {}
     for bucket in runner.buckets:
         if bucket.tokens in seconds:
             continue
-        batch = pack_batch([], bucket, runner.geometry)
-        runner.run_batch(batch)  # the first run may still allocate
+        runner.run_empty(bucket)  # the first run may still allocate
         times = []
         for _ in range(repeats):
             t0 = clock()
-            runner.run_batch(batch)
+            runner.run_empty(bucket)
             times.append(clock() - t0)
         seconds[bucket.tokens] = float(np.median(times))
     return StepSpeedTable.from_measurements(seconds)

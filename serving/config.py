@@ -5,7 +5,10 @@ named like the fields), then command-line flags. Library code receives the objec
 reads environment variables.
 
 `make_engine(model, config)` sizes the decode state and the static buckets for a loaded
-`dsv4.Model` and returns a ready (warmed-up) `serving.engine.Engine`. On a device whose
+`dsv4.Model` and returns a ready (warmed-up) `serving.engine.Engine`; with speculation on
+(a model loaded with its draft head) the engine verifies drafts with a
+`dsv4.spec_decode.SpecRunner`, and with capacity_verification the verify step's speed is
+measured on the device at warm-up for `serving.capacity.CapacityVerifier`. On a device whose
 allocator reports its size (GPUs), `memory_fraction` of it holds the parameters, the slots,
 the prefix-cache snapshots and as many KV pages as fit (`dsv4.memory.plan_memory`; capped at
 what max_num_seqs full-length requests can use); the rest is left for each step's
@@ -44,7 +47,10 @@ class ServingConfig:
     max_req_tokens: int | None = None  # an operator's tighter cap on prompt + max_tokens
     max_waiting: int = 1024  # queued requests before RESOURCE_EXHAUSTED
     max_logprobs: int = 20  # the widest top-n logprobs a request may ask for
-    speculation: str = "none"  # none | mtp | dspark
+    speculation: str = "none"  # none | dspark (mtp: not yet): a draft head proposes, the model verifies
+    num_speculative_tokens: int = 0  # drafts verified per request and step (K); 0 = the head's block size
+    capacity_verification: bool = False  # per-request lengths from draft confidence and measured step speed
+    draft_fp8_head: bool = False  # the draft's LM-head matmul in row-wise FP8
     bucket_tokens: tuple[int, ...] = ()  # step token sizes; () = powers of two up to max_num_seqs, and the budget
     enable_prefix_caching: bool = True  # share block-aligned prompt prefixes (off under data parallelism)
     prefix_cache_snapshots: int = 0  # ring snapshots kept for the prefix cache; 0 = 4 x max_num_seqs
@@ -76,8 +82,17 @@ class ServingConfig:
             bad.append(f"prefix_cache_snapshots must be >= 0 (0 = automatic), got {self.prefix_cache_snapshots}")
         if self.max_logprobs < 0:
             bad.append(f"max_logprobs must be >= 0, got {self.max_logprobs}")
-        if self.speculation != "none":
-            bad.append(f"speculation {self.speculation!r} is not available yet (only 'none')")
+        if self.speculation == "mtp":
+            bad.append("speculation 'mtp' (the classic MTP layer) is not available yet: use dspark or none")
+        elif self.speculation not in ("none", "dspark"):
+            bad.append(f"speculation must be none or dspark, got {self.speculation!r}")
+        if self.num_speculative_tokens < 0:
+            bad.append(f"num_speculative_tokens must be >= 0 (0 = the head's block size), got "
+                       f"{self.num_speculative_tokens}")
+        if self.speculation == "none" and (self.capacity_verification or self.draft_fp8_head):
+            bad.append("capacity_verification and draft_fp8_head need speculation dspark")
+        if self.speculation != "none" and self.deployment is not None:
+            bad.append("speculation on a device mesh (deployment) is not supported yet")
         if (self.deployment is None) != (not self.mesh):
             bad.append("deployment and mesh go together (e.g. deployment tp with mesh 2)")
         if any(t < 1 for t in self.bucket_tokens) or (self.bucket_tokens and
@@ -170,7 +185,9 @@ def make_engine(model, config: ServingConfig, *, eos_token_ids: tuple[int, ...] 
                 progress: Callable[[int, int, Any], None] | None = None):
     """A warmed-up Engine for a loaded `dsv4.Model` (state sized by max_num_seqs and
     max_model_len); generation stops at the model's EOS and at `eos_token_ids` (the
-    tokenizer's); `progress(i, n, bucket)` is called before each bucket compiles."""
+    tokenizer's); `progress(i, n, bucket)` is called before each program compiles. Speculative
+    decoding runs when the model carries its draft head (`load_model` loads it for
+    speculation dspark)."""
     from dsv4.memory import device_memory_bytes
     from dsv4.ops.registry import ops_for
     from dsv4.state import StateGeometry, default_page_tokens
@@ -178,6 +195,10 @@ def make_engine(model, config: ServingConfig, *, eos_token_ids: tuple[int, ...] 
     from serving.engine import Engine, EngineLimits
 
     cfg = model.config
+    head = getattr(model, "draft_head", None)
+    k = (config.num_speculative_tokens or head.block_size) if head is not None else 0
+    if head is not None and k > head.block_size:
+        raise ValueError(f"num_speculative_tokens {k} exceeds the draft head's block size {head.block_size}")
     if config.max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
                          f"{cfg.max_position_embeddings}")
@@ -189,32 +210,62 @@ def make_engine(model, config: ServingConfig, *, eos_token_ids: tuple[int, ...] 
     snapshots = (config.prefix_cache_snapshots or 4 * slots) if caching else 0
     dtype = model.params["embed"]["weight"][...].dtype
     template = StateGeometry(num_slots=slots, num_pages=slots * per_seq, page_tokens=page,
-                             max_pages_per_seq=per_seq, max_spec_tokens=0, dtype=dtype)
+                             max_pages_per_seq=per_seq, max_spec_tokens=k, dtype=dtype)
     device = _first_device(model)
     plan = plan_pages(cfg, config, template, shards=shards, snapshots=snapshots,
                       device_bytes=device_memory_bytes(device), bytes_in_use=_bytes_in_use(device))
     geometry = template if plan is None else dataclasses.replace(template, num_pages=plan.num_pages * shards)
     if plan is not None:
         log.info("%s", plan.summary())
-    # Decode-only steps need at most `slots` tokens; any step with a prefill chunk takes the
-    # whole budget: few programs to compile, little padding where it matters.
+    # Decode-only steps need at most `slots` x (K + 1) tokens; any step with a prefill chunk
+    # takes the whole budget: few programs to compile, little padding where it matters.
+    decode = slots * (k + 1)
     sizes = list(config.bucket_tokens) or sorted(
-        {1 << i for i in range(slots.bit_length()) if 1 << i < config.max_num_batched_tokens}
-        | {min(slots, config.max_num_batched_tokens), config.max_num_batched_tokens})
-    buckets = make_buckets(config.max_num_batched_tokens, slots, token_sizes=sizes)
+        {1 << i for i in range(decode.bit_length()) if 1 << i < config.max_num_batched_tokens}
+        | {min(decode, config.max_num_batched_tokens), config.max_num_batched_tokens})
+    buckets = make_buckets(config.max_num_batched_tokens, slots, token_sizes=sizes, max_spec_tokens=k,
+                           taps=head is not None)
     runner = StepRunner(model.graphdef, model.params, cfg, geometry, buckets, ops_for(model.backend),
                         policy=CompilePolicy.WARN, placement=model.placement, max_logprobs=config.max_logprobs,
                         snapshot_slots=snapshots)
-    runner.warmup(progress)
+    speculator = capacity = None
+    if head is None:
+        runner.warmup(progress)
+        compiled = runner
+    else:
+        speculator, capacity = _speculation(runner, head, k, config, ops_for(model.backend), progress)
+        compiled = speculator
     if plan is not None:
-        check_workspace(runner.workspace_bytes(), device_bytes=plan.device_bytes,
+        check_workspace(compiled.workspace_bytes(), device_bytes=plan.device_bytes,
                         bytes_in_use=_bytes_in_use(device))
     eos = tuple(dict.fromkeys((cfg.eos_token_id, *eos_token_ids)))
     limits = EngineLimits(vocab_size=cfg.vocab_size, eos_token_ids=eos,
                           max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
                           max_req_tokens=config.max_req_tokens, max_waiting=config.max_waiting,
                           max_logprobs=config.max_logprobs)
-    return Engine(runner, limits, data_shards=shards, prefix_cache=caching)
+    return Engine(runner, limits, data_shards=shards, prefix_cache=caching, speculator=speculator,
+                  capacity=capacity)
+
+
+def _speculation(runner, head, k: int, config: ServingConfig, ops, progress):
+    """(a warmed-up SpecRunner, its CapacityVerifier or None). Capacity-aware verification
+    compiles shallower blocks too (1 and about K/2 drafts) and times the verify step."""
+    from dsv4 import quant
+    from dsv4.spec_decode import SpecRunner
+    from serving.capacity import CapacityVerifier, measure_step_speed
+
+    depths = sorted({1, (k + 1) // 2, k}) if config.capacity_verification else [k]
+    lm_head = runner.params["head"]["weight"][...]
+    speculator = SpecRunner(runner, head, ops, k=k, depths=depths,
+                            draft_lm_head=quant.quant_fp8_rows(lm_head) if config.draft_fp8_head else None)
+    speculator.warmup(progress)
+    if not config.capacity_verification:
+        return speculator, None
+    table = measure_step_speed(speculator)
+    capacity = CapacityVerifier(k, table, depths=depths, max_requests=runner.geometry.num_slots)
+    log.info("capacity-aware verification: fixed width up to %d decoding requests; verify step %s", capacity.knee,
+             ", ".join(f"{t} rows {1e3 * s:.2f} ms" for t, s in zip(table.tokens, table.seconds)))
+    return speculator, capacity
 
 
 def plan_pages(cfg, config: ServingConfig, template, *, shards: int, snapshots: int, device_bytes: int | None,
@@ -260,10 +311,26 @@ def _bytes_in_use(device) -> int:
     return int(stats.get("bytes_in_use", 0))
 
 
+def draft_to_load(config: ServingConfig, path: str) -> str:
+    """The `draft` argument of `dsv4.load_pretrained`: config.speculation when the checkpoint
+    has that head, else "none" with a warning (the server runs without speculation)."""
+    from checkpoints.loader import has_draft
+
+    if config.speculation == "none":
+        return "none"
+    if has_draft(path):
+        return config.speculation
+    log.warning("%s has no DSpark draft head (no mtp.* tensors or no dspark_* config): running with speculation "
+                "none", path)
+    return "none"
+
+
 def load_model(config: ServingConfig):
     """(dsv4.Model, tokenizer) for `config`: the embedded demo model when config.model is
     "tiny" (written into demo_dir on first use), else the checkpoint directory; sharded over
-    the configured mesh; the persistent compilation cache turned on when configured."""
+    the configured mesh; with speculation dspark, its draft head too (`Model.draft_head`; a
+    checkpoint without one runs with speculation none, with a warning); the persistent
+    compilation cache turned on when configured."""
     import jax
 
     import dsv4
@@ -282,7 +349,8 @@ def load_model(config: ServingConfig):
     if config.deployment is not None:
         deployment = sh.Deployment(config.deployment)
         placement = sh.Placement(sh.make_mesh(deployment, config.mesh), deployment)
-    model = dsv4.load_pretrained(path, dtype=dtype, backend=config.backend, placement=placement)
+    model = dsv4.load_pretrained(path, dtype=dtype, backend=config.backend, placement=placement,
+                                 draft=draft_to_load(config, path))
     cfg = model.config
     tokenizer = load_tokenizer(path, vocab_size=cfg.vocab_size, bos_token_id=cfg.bos_token_id,
                                eos_token_id=cfg.eos_token_id)

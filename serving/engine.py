@@ -371,6 +371,11 @@ class Engine:
                     return True
         return False
 
+    @property
+    def speculative(self) -> bool:
+        """Whether decoding requests verify drafts (a speculator was given)."""
+        return self._spec is not None
+
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._aborted or self._inflight)
 

@@ -52,7 +52,8 @@ from typing import IO, Any, Iterable, Iterator, Mapping
 
 from dsv4.generation import derive_seed
 from serving.config import DEMO_MODEL, ServingConfig, add_serving_flags, config_from_args, read_config_file
-from serving.engine import Engine, EngineRequest, FinishReason, QueueFullError, RequestOutput, SamplingParams
+from serving.engine import (Engine, EngineRequest, FinishReason, QueueFullError, RequestOutput, SamplingParams,
+                            SpeculationStats)
 from serving.text import TextStream, stop_string_problems
 from serving.tokenizer import Tokenizer
 
@@ -489,13 +490,30 @@ def _file_lines(path: str) -> Iterator[tuple[int, str]]:
         yield from numbered_lines(f)
 
 
-def _summary(tally: Tally, wall_s: float, config: ServingConfig, output: str | None) -> str:
+def _summary(tally: Tally, wall_s: float, output: str | None, acceptance: str) -> str:
     skipped = f", {tally.skipped} skipped (already in {output})" if output else ""
     rate = tally.generated_tokens / wall_s if wall_s > 0 else 0.0
-    acceptance = "n/a: speculation off" if config.speculation == "none" else "not measured"
     return (f"summary: {tally.ok} ok, {tally.failed} failed{skipped}; {tally.prompt_tokens} prompt tokens "
             f"({tally.cached_prompt_tokens} cached), {tally.generated_tokens} generated in {wall_s:.2f}s "
             f"({rate:.1f} tok/s); acceptance {acceptance}")
+
+
+def acceptance_summary(before: SpeculationStats | None, after: SpeculationStats | None) -> str:
+    """Drafting over a run, from the engine's counters at its start and end."""
+    if after is None:
+        return "n/a: speculation off"
+    b = before or SpeculationStats(0, 0, 0, (0,) * len(after.position_reached), (0,) * len(after.position_reached))
+    drafted = after.draft_tokens - b.draft_tokens
+    accepted = after.accepted_draft_tokens - b.accepted_draft_tokens
+    verifications = after.verifications - b.verifications
+    if not verifications:
+        return "n/a: nothing verified"
+    by_position = " ".join(
+        f"{(a1 - a0) / (n1 - n0):.2f}" if n1 > n0 else "-"
+        for a0, a1, n0, n1 in zip(b.position_accepted, after.position_accepted, b.position_reached,
+                                  after.position_reached))
+    return (f"{accepted}/{drafted} drafts ({accepted / max(1, drafted):.0%}), "
+            f"{(accepted + verifications) / verifications:.2f} tokens per verify step, by position [{by_position}]")
 
 
 def _load(config: ServingConfig, defaults: Mapping[str, Any], seed: int | None):
@@ -561,18 +579,24 @@ def _run(args: argparse.Namespace) -> int:
     progress = Progress(sys.stderr if sys.stderr.isatty() and not args.no_progress else None, total)
     items = read_jobs(lines, defaults, args.seed, tokenizer, existing.done, tally)
     t0 = time.perf_counter()
+    drafting = engine.stats().speculation
+
+    def summary() -> str:
+        acceptance = acceptance_summary(drafting, engine.stats().speculation)
+        return _summary(tally, time.perf_counter() - t0, args.output, acceptance)
+
     try:
         run_jobs(engine, tokenizer, items, Writer(out, tally, progress), window=2 * config.max_num_seqs)
     except KeyboardInterrupt:
         progress.close(tally)
         print("interrupted: finished requests are saved; rerun with the same --output to resume", file=sys.stderr)
-        print(_summary(tally, time.perf_counter() - t0, config, args.output), file=sys.stderr)
+        print(summary(), file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
         if out is not sys.stdout:
             out.close()
     progress.close(tally)
-    print(_summary(tally, time.perf_counter() - t0, config, args.output), file=sys.stderr)
+    print(summary(), file=sys.stderr)
     return EXIT_FAILED_LINES if tally.failed else EXIT_OK
 
 

@@ -121,7 +121,8 @@ def engine_request(request: pb.GenerateRequest, request_id: str, tokenizer: Toke
         bad.append(f"request_id must be at most {MAX_REQUEST_ID} characters, got {len(request_id)}")
     stop = tuple(request.sampling.stop)
     bad += stop_string_problems(stop)
-    req = EngineRequest(request_id, ids, sampling_params(request.sampling), priority=request.priority)
+    req = EngineRequest(request_id, ids, sampling_params(request.sampling), priority=request.priority,
+                        speculate=not request.speculation.disable)
     # An unusable prompt was reported above; the engine would only add "the prompt is empty".
     bad += [p for p in loop.validate(req) if not (p == "the prompt is empty" and bad)]
     if bad:
@@ -170,7 +171,7 @@ def model_info(config: ServingConfig, model: Any, tokenizer: Tokenizer, engine: 
     lim = engine.limits
     return pb.ModelInfo(
         model=config.model, summary=summary, vocab_size=lim.vocab_size, max_model_len=lim.max_model_len,
-        max_req_tokens=lim.max_req_tokens or 0, speculation=config.speculation, max_num_seqs=config.max_num_seqs,
+        max_req_tokens=lim.max_req_tokens or 0, speculation=config.speculation if engine.speculative else "none", max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=lim.max_num_batched_tokens, max_logprobs=lim.max_logprobs,
         default_max_tokens=DEFAULT_MAX_TOKENS, eos_token_ids=list(lim.eos_token_ids),
         has_chat_template=tokenizer.has_chat_template, dtype=dtype,
@@ -256,6 +257,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         e = s.engine
+        spec = e.speculation
+        drafting = {} if spec is None else dict(
+            draft_tokens=spec.draft_tokens, accepted_draft_tokens=spec.accepted_draft_tokens,
+            mean_acceptance_length=spec.mean_acceptance_length,
+            acceptance_by_position=[a or 0.0 for a in spec.acceptance_by_position])
         return pb.ServerStats(waiting=e.waiting, running=e.running, free_slots=e.free_slots,
                               total_slots=self._backend.loop.engine.geometry.num_slots, free_pages=e.free_pages,
                               total_pages=e.total_pages, open_streams=s.open_streams, steps=e.steps,
@@ -263,7 +269,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                               preemptions=e.preemptions, step_failures=s.step_failures,
                               host_ms_per_step=e.host_ms_per_step, run_ms_per_step=e.run_ms_per_step,
                               cached_pages=e.cached_pages, prefix_hits=e.prefix_hits,
-                              prefix_hit_tokens=e.prefix_hit_tokens)
+                              prefix_hit_tokens=e.prefix_hit_tokens, **drafting)
 
 
 class GrpcServer:

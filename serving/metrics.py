@@ -19,13 +19,22 @@ Names (counters get `_total` appended by the exposition format):
     dsv4_free_slots / dsv4_free_pages / dsv4_total_pages / dsv4_prefix_cache_pages   (gauges)
     dsv4_step_host_seconds / dsv4_step_run_seconds   per step: scheduling + output handling, runner
     dsv4_request_queue_seconds / dsv4_time_to_first_token_seconds / dsv4_request_latency_seconds
+
+Speculative decoding (present only when the engine speculates):
+
+    dsv4_spec_draft_tokens_total / dsv4_spec_accepted_draft_tokens_total   drafts verified / accepted
+    dsv4_spec_verifications_total        request-steps that verified (0 drafts included)
+    dsv4_spec_mean_acceptance_length     tokens committed per verification (gauge, since start)
+    dsv4_spec_acceptance_rate{position}  draft j accepted / verifications reaching it (since start)
+    dsv4_spec_draft_depth                drafts in the newest blocks (capacity-aware verification)
+    dsv4_spec_calibration_error{position}  the confidence calibration error (capacity-aware)
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from serving.engine import EngineStats, FinishReason, Usage
+from serving.engine import EngineStats, FinishReason, SpeculationStats, Usage
 from serving.engine_loop import ErrorKind
 
 _STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -70,6 +79,7 @@ class ServingMetrics:
                               buckets=_REQUEST_BUCKETS, registry=r)
         self.latency = Histogram("dsv4_request_latency_seconds", "Received -> finished",
                                  buckets=_REQUEST_BUCKETS, registry=r)
+        self._spec: dict | None = None  # made on the first step that reports speculation
         for reason in FinishReason:
             self.requests.labels(reason.value)
         for kind in ErrorKind:
@@ -107,7 +117,38 @@ class ServingMetrics:
                                    - _total_s(before.run_ms_per_step, before.steps)) / ran)
         if after.preemptions > before.preemptions:
             self.preemptions.inc(after.preemptions - before.preemptions)
+        if after.speculation is not None:
+            self._speculation(before.speculation, after.speculation)
         self.set_engine_gauges(after, open_streams)
+
+    def _speculation(self, before: SpeculationStats | None, after: SpeculationStats) -> None:
+        if self._spec is None:
+            r = self.registry
+            self._spec = dict(
+                drafted=Counter("dsv4_spec_draft_tokens", "Drafts verified", registry=r),
+                accepted=Counter("dsv4_spec_accepted_draft_tokens", "Drafts accepted", registry=r),
+                verifications=Counter("dsv4_spec_verifications", "Request-steps that verified drafts", registry=r),
+                length=Gauge("dsv4_spec_mean_acceptance_length", "Tokens committed per verification", registry=r),
+                rate=Gauge("dsv4_spec_acceptance_rate", "Draft j accepted / verifications reaching it", ["position"],
+                           registry=r),
+                depth=Gauge("dsv4_spec_draft_depth", "Drafts in the newest blocks", registry=r),
+                calibration=Gauge("dsv4_spec_calibration_error", "Confidence calibration error by position",
+                                  ["position"], registry=r))
+        m = self._spec
+        for name, field in (("drafted", "draft_tokens"), ("accepted", "accepted_draft_tokens"),
+                            ("verifications", "verifications")):
+            grown = getattr(after, field) - (getattr(before, field) if before is not None else 0)
+            if grown > 0:
+                m[name].inc(grown)
+        m["length"].set(after.mean_acceptance_length)
+        for j, rate in enumerate(after.acceptance_by_position):
+            if rate is not None:
+                m["rate"].labels(str(j)).set(rate)
+        if after.capacity is not None:
+            m["depth"].set(after.capacity.depth)
+            for j, err in enumerate(after.capacity.calibration_error):
+                if err is not None:
+                    m["calibration"].labels(str(j)).set(err)
 
     def step_failed(self) -> None:
         self.step_failures.inc()

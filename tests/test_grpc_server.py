@@ -625,3 +625,49 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(drain_pr
     out = proc.stdout_path.read_text()
     assert "draining 1 open requests" in out and "stopped" in out
     channel.close()
+
+
+# ---- speculative decoding -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def spec_served(demo_dir):
+    """The demo model (it has a 3-stage DSpark head) served with speculation dspark, K = 3."""
+    config = ServingConfig(model="tiny", demo_dir=demo_dir, dtype="float32", max_num_seqs=2, max_num_batched_tokens=16,
+                           max_model_len=MAX_LEN, bucket_tokens=(16,), compilation_cache=None, speculation="dspark",
+                           num_speculative_tokens=3)
+    model, tokenizer = load_model(config)
+    engine = make_engine(model, config, eos_token_ids=tokenizer.eos_token_ids)
+    server = grpc_server.ServerThread(engine, tokenizer, grpc_server.model_info(config, model, tokenizer, engine))
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    server.model, server.channel, server.stub = model, channel, pb_grpc.GenerationStub(channel)
+    yield server
+    channel.close()
+    server.stop()
+
+
+def test_speculation_is_served_reported_and_can_be_disabled_per_request(spec_served):
+    """Greedy tokens equal plain greedy decoding; usage, GetStats and the metrics count the
+    drafts; a request with speculation.disable verifies none and still gets the same tokens."""
+    stub = spec_served.stub
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert info.speculation == "dspark" and info.serving_config["num_speculative_tokens"] == "3"
+    prompt = [5, 300, 17, 99, 42, 260, 7]
+    want = spec_served.model.generate(prompt, 12, max_num_seqs=1, max_num_batched_tokens=1)
+    tokens, _, last = collect(stub, ids_request(prompt, max_tokens=12, ignore_eos=True))
+    assert tokens == want and last.usage.draft_tokens > 0
+    plain = ids_request(prompt, max_tokens=12, ignore_eos=True)
+    plain.speculation.disable = True
+    tokens, _, last_plain = collect(stub, plain)
+    assert tokens == want and last_plain.usage.draft_tokens == 0
+    stats = stub.GetStats(pb.GetStatsRequest(), timeout=10)
+    assert stats.draft_tokens == last.usage.draft_tokens
+    assert stats.accepted_draft_tokens == last.usage.accepted_draft_tokens
+    assert len(stats.acceptance_by_position) == 3 and stats.mean_acceptance_length >= 1.0
+    text = urllib.request.urlopen(f"http://127.0.0.1:{spec_served.metrics_port}/metrics", timeout=10).read().decode()
+    sample = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert sample["dsv4_spec_draft_tokens_total"] == stats.draft_tokens
+    assert sample["dsv4_spec_mean_acceptance_length"] == pytest.approx(stats.mean_acceptance_length)
+    assert 'dsv4_spec_acceptance_rate{position="0"}' in sample

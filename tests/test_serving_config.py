@@ -64,7 +64,12 @@ def test_file_errors_name_the_problem(tmp_path):
     (dict(max_waiting=0), "max_waiting"),
     (dict(max_logprobs=-1), "max_logprobs"),
     (dict(prefix_cache_snapshots=-1), "prefix_cache_snapshots"),
-    (dict(speculation="dspark"), "not available yet"),
+    (dict(speculation="mtp"), "not available yet"),
+    (dict(speculation="eagle"), "speculation must be none or dspark"),
+    (dict(speculation="dspark", num_speculative_tokens=-1), "num_speculative_tokens must be >= 0"),
+    (dict(capacity_verification=True), "need speculation dspark"),
+    (dict(draft_fp8_head=True), "need speculation dspark"),
+    (dict(speculation="dspark", deployment="tp", mesh=(2,)), "not supported yet"),
     (dict(deployment="tp"), "deployment and mesh go together"),
     (dict(bucket_tokens=(16, 128)), "bucket_tokens must"),
 ])
@@ -114,3 +119,24 @@ def test_a_step_needing_more_temporaries_than_are_left_is_refused_at_start():
     check_workspace(10, device_bytes=100, bytes_in_use=90)
     with pytest.raises(ValueError, match="11 B of temporaries but only 10 B.*lower memory_fraction"):
         check_workspace(11, device_bytes=100, bytes_in_use=90)
+
+
+def test_a_checkpoint_without_a_draft_head_runs_speculation_none_and_says_so(tmp_path, caplog):
+    import dsv4
+    from checkpoints.loader import CheckpointError
+    from checkpoints.testing import write_tiny_checkpoint
+    from dsv4.config import TINY
+    from serving.config import draft_to_load
+
+    write_tiny_checkpoint(TINY, tmp_path / "plain", seed=3, quantized=False)
+    write_tiny_checkpoint(TINY, tmp_path / "draft", seed=3, quantized=False, draft_stages=3)
+    spec = ServingConfig(speculation="dspark")
+    with caplog.at_level("WARNING", logger="serving.config"):
+        assert draft_to_load(spec, str(tmp_path / "plain")) == "none"
+    assert "has no DSpark draft head" in caplog.text and "speculation none" in caplog.text
+    assert draft_to_load(spec, str(tmp_path / "draft")) == "dspark"
+    assert draft_to_load(ServingConfig(), str(tmp_path / "draft")) == "none"
+    with pytest.raises(CheckpointError, match="no DSpark head"):
+        dsv4.load_pretrained(tmp_path / "plain", dtype="float32", draft="dspark")
+    model = dsv4.load_pretrained(tmp_path / "draft", dtype="float32", draft="dspark")
+    assert model.draft_head is not None and model.draft_head.block_size == 5

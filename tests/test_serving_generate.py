@@ -96,6 +96,22 @@ def test_greedy_output_is_generate_and_teacher_forced_argmax(shared, tmp_path):
                                    "accepted_draft_tokens", "seed", "timings"} and "logprobs" not in r
 
 
+def test_speculation_flags_keep_greedy_output_and_the_summary_reports_acceptance(shared, tmp_path, capsys):
+    _, model, _ = shared
+    prompts = [[0, 40, 41, 42, 43], [0, 7, 300, 9]]
+    records = [{"id": f"p{i}", "token_ids": p} for i, p in enumerate(prompts)]
+    rc, got, errors = run(shared, tmp_path, records, "--max-tokens", "9", "--ignore-eos", "--speculation", "dspark",
+                          "--num-speculative-tokens", "2", "--draft-fp8-head", "on")
+    assert rc == 0 and not errors
+    assert [got[f"p{i}"]["token_ids"] for i in range(2)] == model.generate(prompts, 9, max_num_seqs=1,
+                                                                            max_num_batched_tokens=32)
+    assert all(0 < got[f"p{i}"]["usage"]["draft_tokens"] <= 8 * 2 for i in range(2))
+    assert re.search(r"acceptance \d+/\d+ drafts \(\d+%\), [\d.]+ tokens per verify step, by position \[\S+ \S+\]",
+                     capsys.readouterr().err)
+    assert generate.main(shared[0] + ["--capacity-verification", "on"]) == generate.EXIT_USAGE
+    assert "need speculation dspark" in capsys.readouterr().err
+
+
 def test_per_line_sampling_overrides_the_flags(shared, tmp_path):
     prompt = [0, 40, 41, 42, 43]
     rc, got, _ = run(shared, tmp_path, [

@@ -184,7 +184,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("waiting", "running", "free_slots", "total_slots", "free_pages", "total_pages", "open_streams", "steps", "tokens_scheduled", "tokens_generated", "preemptions", "step_failures", "host_ms_per_step", "run_ms_per_step", "cached_pages", "prefix_hits", "prefix_hit_tokens")
+    __slots__ = ("waiting", "running", "free_slots", "total_slots", "free_pages", "total_pages", "open_streams", "steps", "tokens_scheduled", "tokens_generated", "preemptions", "step_failures", "host_ms_per_step", "run_ms_per_step", "cached_pages", "prefix_hits", "prefix_hit_tokens", "draft_tokens", "accepted_draft_tokens", "mean_acceptance_length", "acceptance_by_position")
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +202,10 @@ class ServerStats(_message.Message):
     CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     running: int
     free_slots: int
@@ -219,4 +223,8 @@ class ServerStats(_message.Message):
     cached_pages: int
     prefix_hits: int
     prefix_hit_tokens: int
-    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., free_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., open_streams: _Optional[int] = ..., steps: _Optional[int] = ..., tokens_scheduled: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., preemptions: _Optional[int] = ..., step_failures: _Optional[int] = ..., host_ms_per_step: _Optional[float] = ..., run_ms_per_step: _Optional[float] = ..., cached_pages: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
+    draft_tokens: int
+    accepted_draft_tokens: int
+    mean_acceptance_length: float
+    acceptance_by_position: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., free_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., open_streams: _Optional[int] = ..., steps: _Optional[int] = ..., tokens_scheduled: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., preemptions: _Optional[int] = ..., step_failures: _Optional[int] = ..., host_ms_per_step: _Optional[float] = ..., run_ms_per_step: _Optional[float] = ..., cached_pages: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ...) -> None: ...
