@@ -3,6 +3,8 @@
 import json
 import math
 
+import pytest
+
 from bench.step_bench import main
 
 
@@ -73,3 +75,20 @@ ENTRY %main (a: f32[1,8,4096]) -> f32[1,8,4096] {
         ("all-reduce", (("f32", (8,)),), 4, ()): 5,
     }
     assert unknown == 0
+
+
+def test_spec_bench_times_plain_draft_and_fused_steps_and_projects_tokens_per_second(tmp_path):
+    from bench import spec_bench
+
+    path = tmp_path / "spec.json"
+    out = spec_bench.main(["--config", "tiny", "--layers", "3", "--decode", "2", "--k", "3", "--context", "130",
+                           "--steps", "2", "--warmup", "1", "--json", str(path)])
+    assert json.loads(path.read_text()) == out
+    (c,) = out["cases"]
+    assert c["status"] == "ok", c
+    assert all(0 < c[f"{n}_ms"] <= c[f"{n}_p90_ms"] for n in ("plain", "draft", "spec"))
+    assert [p["tau"] for p in c["projected"]] == [1, 2, 3, 4]
+    p1, p4 = c["projected"][0], c["projected"][3]
+    assert p4["tokens_per_s"] == pytest.approx(4 * p1["tokens_per_s"])
+    assert p1["speedup"] == pytest.approx(c["plain_ms"] / c["spec_ms"])
+    assert c["break_even_tau"] == pytest.approx(c["spec_ms"] / c["plain_ms"])
