@@ -121,6 +121,12 @@ def drain_process(demo_dir, tmp_path_factory):
 def served(demo_dir, drain_process):
     config = ServingConfig(model="tiny", demo_dir=demo_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
                            max_model_len=MAX_LEN, bucket_tokens=(4, 32), max_logprobs=3, compilation_cache=None)
+    yield from real_server(config)
+
+
+def real_server(config):
+    """The demo model served by a ServerThread for `config`, with .model, .tokenizer, .channel
+    and .stub; stopped after the module (a generator for a fixture)."""
     model, tokenizer = load_model(config)
     engine = make_engine(model, config, eos_token_ids=tokenizer.eos_token_ids)
     server = grpc_server.ServerThread(engine, tokenizer, grpc_server.model_info(config, model, tokenizer, engine))
@@ -636,15 +642,7 @@ def spec_served(demo_dir):
     config = ServingConfig(model="tiny", demo_dir=demo_dir, dtype="float32", max_num_seqs=2, max_num_batched_tokens=16,
                            max_model_len=MAX_LEN, bucket_tokens=(16,), compilation_cache=None, speculation="dspark",
                            num_speculative_tokens=3)
-    model, tokenizer = load_model(config)
-    engine = make_engine(model, config, eos_token_ids=tokenizer.eos_token_ids)
-    server = grpc_server.ServerThread(engine, tokenizer, grpc_server.model_info(config, model, tokenizer, engine))
-    server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    server.model, server.channel, server.stub = model, channel, pb_grpc.GenerationStub(channel)
-    yield server
-    channel.close()
-    server.stop()
+    yield from real_server(config)
 
 
 def test_speculation_is_served_reported_and_can_be_disabled_per_request(spec_served):
