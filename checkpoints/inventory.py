@@ -16,6 +16,7 @@ from flax import nnx
 
 from dsv4.config import ModelConfig
 from dsv4.layers.dspark import DSparkHead
+from dsv4.layers.mtp import MTPHead
 from dsv4.model import Transformer
 
 # In-memory dtype of a quantized-storage model -> the safetensors dtype on disk.
@@ -51,9 +52,11 @@ def path_name(path: tuple[str | int, ...]) -> str:
     return ".".join(str(p) for p in path)
 
 
-def abstract_draft(cfg: ModelConfig, param_dtype: jnp.dtype) -> DSparkHead:
-    """The DSpark head with ShapeDtypeStruct leaves; its state paths are the `mtp.S.*` names."""
-    return nnx.eval_shape(lambda: DSparkHead(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+def abstract_draft(cfg: ModelConfig, param_dtype: jnp.dtype) -> DSparkHead | MTPHead:
+    """The config's draft head (DSpark stages, or the classic MTP layer: `cfg.draft_kind`) with
+    ShapeDtypeStruct leaves; its state paths are the `mtp.S.*` names."""
+    kind = MTPHead if cfg.draft_kind == "mtp" else DSparkHead
+    return nnx.eval_shape(lambda: kind(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
 
 
 @functools.lru_cache(maxsize=16)
@@ -64,7 +67,7 @@ def tower_inventory(cfg: ModelConfig) -> dict[str, TensorSpec]:
 
 @functools.lru_cache(maxsize=16)
 def draft_inventory(cfg: ModelConfig) -> dict[str, TensorSpec]:
-    """Official name -> TensorSpec for every DSpark-head tensor (`mtp.S.*`, spec 7.4)."""
+    """Official name -> TensorSpec for every draft tensor (`mtp.S.*`: DSpark spec 7.4, MTP 7.5)."""
     return module_inventory(abstract_draft(cfg, jnp.bfloat16))
 
 

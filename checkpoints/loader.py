@@ -25,6 +25,7 @@ from checkpoints.safetensors_io import FLOAT_DTYPES, CheckpointError, Checkpoint
 from dsv4 import quant
 from dsv4.config import ModelConfig, WeightFormat
 from dsv4.layers.dspark import DSparkHead
+from dsv4.layers.mtp import MTPHead
 from dsv4.model import Transformer, storage_config
 
 # Maps a parameter's official (stacked) name and shape to where it should live; None = default device.
@@ -114,30 +115,33 @@ def load_checkpoint(directory: str | os.PathLike, *, dtype: jnp.dtype = jnp.bflo
         reader.close()
 
 
-def has_draft(directory: str | os.PathLike) -> bool:
-    """Whether the checkpoint has a DSpark head: its config describes one and it has `mtp.*`
-    tensors (`load_draft` then checks them all)."""
+def draft_kind(directory: str | os.PathLike) -> str:
+    """The draft head a checkpoint holds: "dspark", "mtp" (`ModelConfig.draft_kind`) when its
+    config describes one and it has `mtp.*` tensors (`load_draft` then checks them all), else
+    "none"."""
     directory = os.fspath(directory)
     cfg = ModelConfig.from_hf_json(directory)
-    if cfg.num_draft_stages < 1 or cfg.dspark_block_size < 1 or not cfg.dspark_target_layer_ids:
-        return False
+    kind = cfg.draft_kind
+    if kind == "none" or (kind == "dspark" and not cfg.dspark_target_layer_ids):
+        return "none"
     reader = CheckpointReader(directory)
     try:
-        return any(name.startswith(DRAFT_PREFIX) for name in reader.names())
+        return kind if any(name.startswith(DRAFT_PREFIX) for name in reader.names()) else "none"
     finally:
         reader.close()
 
 
 def load_draft(directory: str | os.PathLike, *, dtype: jnp.dtype = jnp.bfloat16, quantized: bool = False,
                config_overrides: dict | None = None, sharding: ShardingFn | None = None,
-               progress: ProgressFn | None = None) -> DSparkHead:
-    """The DSpark draft head (`mtp.S.*` tensors) of an official checkpoint directory; arguments
-    as `load_checkpoint`. CheckpointError when the config has no DSpark head or its tensors
-    are missing, mis-shaped or unexpected (all named in one error)."""
+               progress: ProgressFn | None = None) -> DSparkHead | MTPHead:
+    """The draft head (`mtp.S.*` tensors) of an official checkpoint directory: the DSpark
+    stages, or the preview's classic MTP layer (`ModelConfig.draft_kind`); arguments as
+    `load_checkpoint`. CheckpointError when the config has no draft head or its tensors are
+    missing, mis-shaped or unexpected (all named in one error)."""
     directory = os.fspath(directory)
     cfg = ModelConfig.from_hf_json(directory, **(config_overrides or {}))
-    if cfg.num_draft_stages < 1 or cfg.dspark_block_size < 1 or not cfg.dspark_target_layer_ids:
-        raise CheckpointError(f"{directory}: the config describes no DSpark head (num_draft_stages "
+    if cfg.draft_kind == "none" or (cfg.draft_kind == "dspark" and not cfg.dspark_target_layer_ids):
+        raise CheckpointError(f"{directory}: the config describes no DSpark head or MTP layer (num_draft_stages "
                               f"{cfg.num_draft_stages}, dspark_block_size {cfg.dspark_block_size})")
     reader = CheckpointReader(directory)
     try:

@@ -23,22 +23,26 @@ from dsv4.config import ModelConfig, WeightFormat
 
 
 def write_tiny_checkpoint(config: ModelConfig, path: str | os.PathLike, seed: int = 0, *, quantized: bool = False,
-                          float_dtype: str = "BF16", draft_stages: int | None = None) -> ModelConfig:
+                          float_dtype: str = "BF16", draft_stages: int | None = None, mtp: bool = False) -> ModelConfig:
     """Write a random checkpoint of `config`; returns the config as written.
 
     quantized: FP8 (128x128 E8M0 blocks) for the attention/shared-expert/indexer linears and
     FP4 (1x32 E8M0) for routed experts, as the official release; otherwise every tensor in
     `float_dtype` ("BF16" or "F32") holding the decoded values of the quantized twin.
     draft_stages: number of DSpark stages (`mtp.S.*`) to add (default: config.num_draft_stages).
+    mtp: add the preview's classic MTP layer (`mtp.0.*`, spec 7.5) instead of DSpark stages.
     """
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    stages = config.num_draft_stages if draft_stages is None else draft_stages
+    stages = 1 if mtp else config.num_draft_stages if draft_stages is None else draft_stages
     written = config.replace(
         weight_format=WeightFormat.FP8 if quantized else WeightFormat.BF16,
         expert_format=WeightFormat.FP4 if quantized else WeightFormat.BF16,
         fake_quant=quantized, num_draft_stages=stages)
-    if stages:  # a DSpark head needs its settings; configs without them get small defaults
+    if mtp:
+        written = written.replace(dspark_block_size=0, dspark_noise_token_id=0, dspark_target_layer_ids=(),
+                                  dspark_markov_rank=0)
+    elif stages:  # a DSpark head needs its settings; configs without them get small defaults
         n = config.num_hidden_layers
         written = written.replace(
             dspark_block_size=config.dspark_block_size or 5,

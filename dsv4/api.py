@@ -20,6 +20,7 @@ from flax import nnx
 from dsv4.config import ModelConfig
 from dsv4.generation import Generator, derive_seed
 from dsv4.layers.dspark import DSparkHead
+from dsv4.layers.mtp import MTPHead
 from dsv4.model import Transformer
 from dsv4.ops.registry import Backend, ops_for, parse_backend
 from dsv4.sharding import Placement
@@ -33,9 +34,9 @@ class Model:
     """A loaded target tower with its op backend. Holds the parameters on device."""
 
     def __init__(self, module: Transformer, backend: Backend, load_summary: str = "",
-                 placement: Placement | None = None, draft_head: DSparkHead | None = None):
+                 placement: Placement | None = None, draft_head: DSparkHead | MTPHead | None = None):
         self.config: ModelConfig = module.cfg
-        self.draft_head = draft_head  # the DSpark head when loaded with draft="dspark" (else None)
+        self.draft_head = draft_head  # the draft head when loaded with draft="dspark" / "mtp" (else None)
         self.backend = backend
         self.placement = placement  # the mesh and rules the parameters are sharded by (None: one device)
         self.load_summary = load_summary  # one line: what was loaded from where
@@ -168,18 +169,19 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | Any | None = None, 
     placement: shard over a device mesh (`dsv4.sharding.Placement(make_mesh(...), deployment)`):
         every tensor goes straight onto its shards while loading, and `generate` runs the
         sharded step. None: the default device.
-    draft: "dspark" also loads the DSpark draft head (the `mtp.*` tensors) as `Model.draft_head`,
-        for speculative decoding (`dsv4.spec_decode`); CheckpointError when the checkpoint has
-        none (`checkpoints.loader.has_draft` tells beforehand). "none": the target only.
+    draft: "dspark" or "mtp" also loads that draft head (the `mtp.*` tensors: the DSpark
+        stages, or the preview's classic MTP layer) as `Model.draft_head`, for speculative
+        decoding (`dsv4.spec_decode`); CheckpointError when the checkpoint holds another or
+        none (`checkpoints.loader.draft_kind` tells beforehand). "none": the target only.
     """
-    if draft not in ("none", "dspark"):
-        raise ValueError(f"draft must be 'none' or 'dspark', got {draft!r}")
+    if draft not in ("none", "dspark", "mtp"):
+        raise ValueError(f"draft must be 'none', 'dspark' or 'mtp', got {draft!r}")
     if draft != "none" and placement is not None:
         raise ValueError("speculative decoding on a device mesh is not supported yet: load the draft head "
                          "without a placement")
     # Imported here: `checkpoints` depends on `dsv4`, not the other way round; this facade is
     # the one place the model package reaches the loader.
-    from checkpoints.loader import load_checkpoint, load_draft
+    from checkpoints.loader import CheckpointError, load_checkpoint, load_draft
     from checkpoints.orbax_io import is_converted, restore_converted
 
     converted = is_converted(path)
@@ -205,6 +207,9 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | Any | None = None, 
     module, report = load_checkpoint(path, dtype=dtype, quantized=bool(quantized), config_overrides=overrides,
                                      sharding=sharding)
     head = None
-    if draft == "dspark":
+    if draft != "none":
+        if module.cfg.draft_kind != draft:
+            raise CheckpointError(f"{path}: asked for a {draft} draft head, the config describes "
+                                  f"{module.cfg.draft_kind!r}")
         head = load_draft(path, dtype=dtype, quantized=bool(quantized), config_overrides=overrides, sharding=sharding)
     return Model(module, backend, report.summary(), placement, draft_head=head)

@@ -139,6 +139,14 @@ class ModelConfig:
         return self.num_attention_heads * self.head_dim // self.o_groups
 
     @property
+    def draft_kind(self) -> str:
+        """The checkpoint's draft module: "dspark" (stages with a block size), "mtp" (the
+        preview's one classic MTP layer) or "none"."""
+        if self.num_draft_stages and self.dspark_block_size:
+            return "dspark"
+        return "mtp" if self.num_draft_stages == 1 else "none"
+
+    @property
     def hc_mix_dim(self) -> int:
         """Width of the mHC projection: pre (C) + post (C) + comb (C*C)."""
         return (2 + self.hc_mult) * self.hc_mult

@@ -108,8 +108,9 @@ class Transformer(nnx.Module):
         """One ragged decode step: (state', logits [O, V] f32 at batch.out_rows, taps [Ot, n_taps, D]).
 
         Taps are the C-stream means of the outputs of `cfg.dspark_target_layer_ids` at
-        batch.tap_rows (what the DSpark head reads). Rows of -1 in out_rows / tap_rows give
-        unspecified values the caller ignores.
+        batch.tap_rows (what the DSpark head reads), or with a classic MTP layer
+        (`cfg.draft_kind == "mtp"`) the final C-stream state there ([Ot, C, D], what it reads).
+        Rows of -1 in out_rows / tap_rows give unspecified values the caller ignores.
         """
         ctx = StepContext.build(batch)
         t = batch.tokens.shape[0]
@@ -122,7 +123,10 @@ class Transformer(nnx.Module):
             new_state.append(st)
             if i in self.cfg.dspark_target_layer_ids:
                 taps.append(jnp.mean(h[0, tap_rows].astype(jnp.float32), axis=1).astype(h.dtype))
-        taps_arr = jnp.stack(taps, axis=1) if taps else jnp.zeros((tap_rows.shape[0], 0, h.shape[-1]), h.dtype)
+        if self.cfg.draft_kind == "mtp":
+            taps_arr = h[0, tap_rows]
+        else:
+            taps_arr = jnp.stack(taps, axis=1) if taps else jnp.zeros((tap_rows.shape[0], 0, h.shape[-1]), h.dtype)
         logits = self.logits(h[:, jnp.clip(batch.out_rows, 0, t - 1)])[0]
         return tuple(new_state), logits, taps_arr
 

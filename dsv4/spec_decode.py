@@ -14,6 +14,11 @@ proposing blocks and the target verifying them, one synchronous round per step:
    rejected positions are simply overwritten later: a chunk's `start` is the committed
    length, and the state is built for that (DESIGN invariant 3; `max_spec_tokens`).
 
+With the preview's classic MTP layer (`dsv4.layers.mtp.MTPHead`, mode mtp) the taps are the
+tower's final states, a ring row also needs the token after its position (a prefill chunk's
+last row waits in `DraftState.held_*` for the slot's next chunk), and the drafts come from
+K passes of the layer; only the fused path runs it.
+
 Every random draw is keyed by (seed, position, stream), so a request's tokens do not depend
 on its neighbours, and at temperature 0 the tokens equal plain greedy decoding exactly.
 
@@ -38,6 +43,7 @@ from flax import nnx
 from dsv4 import quant
 from dsv4.batch import Chunk, pack_batch
 from dsv4.layers.dspark import RING, DSparkHead
+from dsv4.layers.mtp import MTPHead
 from dsv4.ops.registry import OpSet
 from dsv4.speculative import propose, verify
 from dsv4.step import StepRunner, temp_bytes
@@ -47,29 +53,44 @@ from dsv4.step import StepRunner, temp_bytes
 @dataclasses.dataclass(frozen=True)
 class DraftState:
     """The head's context per slot: every stage's ring [stages, slots, RING, H] and the
-    position each ring slot holds [slots, RING] (-1: none, e.g. a prefix-cache position)."""
+    position each ring slot holds [slots, RING] (-1: none, e.g. a prefix-cache position).
+
+    held_taps [slots, X, D] / held_pos [slots] (MTP only): the taps of a prefill chunk's last
+    position, whose ring row needs the token after it, which only the slot's next chunk
+    brings (-1: none held)."""
 
     rings: jax.Array
     ring_pos: jax.Array
+    held_taps: jax.Array
+    held_pos: jax.Array
 
 
-def init_draft_state(head: DSparkHead, slots: int, dtype) -> DraftState:
+def init_draft_state(head: DSparkHead | MTPHead, slots: int, dtype) -> DraftState:
     cfg = head.cfg
+    taps = cfg.hc_mult if isinstance(head, MTPHead) else len(cfg.dspark_target_layer_ids)
     return DraftState(rings=jnp.zeros((cfg.num_draft_stages, slots, RING, cfg.head_dim), dtype),
-                      ring_pos=jnp.full((slots, RING), -1, jnp.int32))
+                      ring_pos=jnp.full((slots, RING), -1, jnp.int32),
+                      held_taps=jnp.zeros((slots, taps, cfg.hidden_size), dtype),
+                      held_pos=jnp.full((slots,), -1, jnp.int32))
 
 
-def commit_context(head: DSparkHead, state: DraftState, taps_TXD: jax.Array, positions_T: jax.Array,
-                   slots_T: jax.Array, valid_T: jax.Array) -> DraftState:
+def commit_context(head: DSparkHead | MTPHead, state: DraftState, taps_TXD: jax.Array, positions_T: jax.Array,
+                   slots_T: jax.Array, valid_T: jax.Array, next_ids_T: jax.Array | None = None,
+                   embed_VD: jax.Array | None = None, ops: OpSet | None = None) -> DraftState:
     """Write the ring entries of committed positions (rows with valid = False write nowhere).
-    The caller keeps (slot, position % RING) distinct among the valid rows."""
-    entries = head.ring_entries(taps_TXD, positions_T).astype(state.rings.dtype)  # [Z, T, H]
+    The caller keeps (slot, position % RING) distinct among the valid rows. An MTP head's
+    rows also need the token after each position and the embedding."""
+    if isinstance(head, MTPHead):
+        entries = head.ring_entries(taps_TXD, positions_T, next_ids_T, embed_VD, ops)
+    else:
+        entries = head.ring_entries(taps_TXD, positions_T)
+    entries = entries.astype(state.rings.dtype)  # [Z, T, H]
     s = state.ring_pos.shape[0]
     slot = jnp.where(valid_T, slots_T, s)  # out of range: dropped
     col = positions_T % RING
     rings = state.rings.at[:, slot, col].set(entries, mode="drop")
     ring_pos = state.ring_pos.at[slot, col].set(positions_T.astype(jnp.int32), mode="drop")
-    return DraftState(rings=rings, ring_pos=ring_pos)
+    return dataclasses.replace(state, rings=rings, ring_pos=ring_pos)
 
 
 @dataclasses.dataclass
@@ -103,16 +124,18 @@ class SpeculativeGenerator:
     """The reference speculative decoding loop (module docstring). Owns the runner's state
     and a draft state while it runs; one request per slot, all admitted at once."""
 
-    def __init__(self, runner: StepRunner, head: DSparkHead, embed_VD: jax.Array, head_VD: jax.Array, ops: OpSet,
+    def __init__(self, runner: StepRunner, head: DSparkHead | MTPHead, embed_VD: jax.Array, head_VD: jax.Array, ops: OpSet,
                  *, num_speculative_tokens: int | None = None, fused: bool = False, draft_fp8_head: bool = False):
         """runner: the target's StepRunner (logits returned, tap rows in its buckets) whose
         state this generator uses. fused: run each round as one program (`make_spec_step`:
         drafts stay on the device) instead of the reference's separate programs.
         draft_fp8_head: the draft's LM-head matmul in row-wise FP8 (`quant.Fp8Rows`)."""
         cfg = head.cfg
-        k = num_speculative_tokens or cfg.dspark_block_size
-        if not 1 <= k <= cfg.dspark_block_size:
-            raise ValueError(f"num_speculative_tokens must lie in [1, {cfg.dspark_block_size}], got {k}")
+        if isinstance(head, MTPHead) and not fused:
+            raise ValueError("the reference loop drafts with a DSpark head only: run an MTP head with fused=True")
+        k = num_speculative_tokens or head.block_size
+        if not 1 <= k <= head.block_size:
+            raise ValueError(f"num_speculative_tokens must lie in [1, {head.block_size}], got {k}")
         if runner.geometry.max_spec_tokens < k:
             raise ValueError(f"the state holds {runner.geometry.max_spec_tokens} speculative tokens, need {k}")
         self.runner, self.k = runner, k
@@ -351,6 +374,7 @@ def make_spec_step(graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, geometry
     def step(params, head_params, state, draft: DraftState, pending: Pending, batch, spec: SpecBatch, draft_lm_head):
         model = nnx.merge(graphdef, params)
         head = nnx.merge(head_graphdef, head_params)
+        mtp = isinstance(head, MTPHead)
         t = batch.tokens.shape[0]
         r = batch.req_slot.shape[0]
         s = pending.tokens.shape[0]
@@ -375,9 +399,16 @@ def make_spec_step(graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, geometry
         verdict = verify(logits[out_idx], pending.tokens[slot], pending.probs[slot], jnp.maximum(spec.spec_len, 0),
                          temperature, top_k, top_p, min_p, seed, token_pos + 1)
 
+        anchor = jnp.take_along_axis(verdict.tokens, verdict.accepted[:, None], axis=1)[:, 0]  # the newest token
+        anchor_pos = token_pos + verdict.accepted  # the newest committed position (the anchor's predecessor)
+        embed = params["embed"]["weight"][...]
+
         # A slot's first request chunk forgets the ring positions of the slot's last request.
         forget = jnp.where((spec.fresh > 0) & (batch.req_slot >= 0), batch.req_slot, s)
-        draft = dataclasses.replace(draft, ring_pos=draft.ring_pos.at[forget].set(-1, mode="drop"))
+        draft = dataclasses.replace(draft, ring_pos=draft.ring_pos.at[forget].set(-1, mode="drop"),
+                                    held_pos=draft.held_pos.at[forget].set(-1, mode="drop"))
+        if mtp:
+            draft = _commit_held(head, draft, batch, embed, ops)
         # Context: a tapped row is committed when it lies at or before the newest accepted token.
         tap_ok = batch.tap_rows >= 0
         tap_row = jnp.clip(batch.tap_rows, 0, t - 1)
@@ -385,15 +416,31 @@ def make_spec_step(graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, geometry
         offset = tap_row - batch.req_first_row[tap_req]
         committed_upto = jnp.where(live, out_row_tok - batch.req_first_row + verdict.accepted, jnp.iinfo(jnp.int32).max)
         tap_ok &= (batch.token_req[tap_row] < r) & (offset <= committed_upto[tap_req])
-        draft = commit_context(head, draft, taps, batch.req_start[tap_req] + offset,
-                               batch.req_slot[tap_req], tap_ok)
+        tap_pos = batch.req_start[tap_req] + offset
+        if mtp:
+            # An MTP ring row needs the token after its position: the next row's, the newest
+            # token after the newest committed position, or (a prefill chunk's last row) the
+            # slot's next chunk's first token: that row is held until then.
+            last = batch.req_num_tokens[tap_req] - 1
+            next_ids = jnp.where(offset < jnp.minimum(committed_upto[tap_req], last),
+                                 batch.tokens[jnp.clip(tap_row + 1, 0, t - 1)], anchor[tap_req])
+            hold = tap_ok & ~live[tap_req] & (offset == last)
+            draft = commit_context(head, draft, taps, tap_pos, batch.req_slot[tap_req], tap_ok & ~hold, next_ids,
+                                   embed, ops)
+            held = jnp.where(hold, batch.req_slot[tap_req], s)
+            draft = dataclasses.replace(draft, held_taps=draft.held_taps.at[held].set(taps, mode="drop"),
+                                        held_pos=draft.held_pos.at[held].set(tap_pos, mode="drop"))
+            # The MTP drafter starts from the tower's final state at the newest committed position.
+            tap_of_row = jnp.zeros((t,), jnp.int32).at[jnp.where(batch.tap_rows >= 0, batch.tap_rows, t)].set(
+                jnp.arange(batch.tap_rows.shape[0], dtype=jnp.int32), mode="drop")
+            anchor_taps = taps[tap_of_row[jnp.clip(out_row_tok + verdict.accepted, 0, t - 1)]]
+        else:
+            draft = commit_context(head, draft, taps, tap_pos, batch.req_slot[tap_req], tap_ok)
+            anchor_taps = None
 
         # The next block, from each request's newest token.
-        anchor = jnp.take_along_axis(verdict.tokens, verdict.accepted[:, None], axis=1)[:, 0]
-        anchor_pos = token_pos + verdict.accepted  # the newest committed position
-        embed = params["embed"]["weight"][...]
         prop = propose(head, anchor, anchor_pos, draft.rings[:, slot], draft.ring_pos[slot], embed, draft_lm_head,
-                       temperature, top_k, top_p, min_p, seed, ops, depth)
+                       temperature, top_k, top_p, min_p, seed, ops, depth, anchor_taps)
         pad = k - depth
         prop = dataclasses.replace(
             prop, tokens=jnp.pad(prop.tokens, ((0, 0), (0, pad))), probs=jnp.pad(prop.probs, ((0, 0), (0, pad), (0, 0))),
@@ -408,12 +455,25 @@ def make_spec_step(graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, geometry
     return step
 
 
+def _commit_held(head: MTPHead, draft: DraftState, batch, embed_VD: jax.Array, ops: OpSet) -> DraftState:
+    """The ring rows held for positions just before this step's chunks (MTP): their next token
+    is each chunk's first."""
+    s = draft.held_pos.shape[0]
+    t = batch.tokens.shape[0]
+    slot = jnp.clip(batch.req_slot, 0, s - 1)
+    pos = draft.held_pos[slot]
+    ok = (batch.req_slot >= 0) & (batch.req_num_tokens > 0) & (pos >= 0) & (pos == batch.req_start - 1)
+    first = batch.tokens[jnp.clip(batch.req_first_row, 0, t - 1)]
+    draft = commit_context(head, draft, draft.held_taps[slot], pos, batch.req_slot, ok, first, embed_VD, ops)
+    return dataclasses.replace(draft, held_pos=draft.held_pos.at[jnp.where(ok, batch.req_slot, s)].set(-1, mode="drop"))
+
+
 class SpecRunner:
     """The fused speculative step (`make_spec_step`) on a `StepRunner`'s parameters and decode
     state, with the draft rings and pending drafts on the device: one program per bucket,
     compiled in `warmup` (or on first use)."""
 
-    def __init__(self, runner: StepRunner, head: DSparkHead, ops: OpSet, *, k: int,
+    def __init__(self, runner: StepRunner, head: DSparkHead | MTPHead, ops: OpSet, *, k: int,
                  draft_lm_head: jax.Array | quant.Fp8Rows | None = None, depths: Sequence[int] = ()):
         """runner: the target's runner (its buckets need K + 1 output rows per request and a tap
         row per token: `make_buckets(..., max_spec_tokens=K, taps=True)`); draft_lm_head: the

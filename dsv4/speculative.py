@@ -29,6 +29,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dsv4.layers.mtp import MTPHead
 from dsv4.sampling import Stream, probabilities, row_key, sample
 
 
@@ -117,11 +118,21 @@ class Proposal:
 
 def propose(head, anchor_R: jax.Array, anchor_pos_R: jax.Array, rings_ZRSH: jax.Array, ring_pos_RS: jax.Array,
             embed_VD: jax.Array, head_VD: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array,
-            top_p_R: jax.Array, min_p_R: jax.Array, seed_R: jax.Array, ops, depth: int | None = None) -> Proposal:
+            top_p_R: jax.Array, min_p_R: jax.Array, seed_R: jax.Array, ops, depth: int | None = None,
+            anchor_taps_RXD: jax.Array | None = None) -> Proposal:
     """Draft one block per request with a `dsv4.layers.dspark.DSparkHead` (spec 9.4, 9.5): one
     pass of the stages for the base logits, then the Markov head left to right, each draft
     drawn by Gumbel-max on the DRAFT stream (argmax at temperature 0). depth: the block's
-    length (default: the head's block size; `DSparkHead.base_logits`)."""
+    length (default: the head's block size; `DSparkHead.base_logits`).
+
+    With a `dsv4.layers.mtp.MTPHead` (mode mtp) the drafts come from `depth` passes of the
+    MTP layer instead, starting from anchor_taps_RXD: the tower's final C-stream state at
+    anchor_pos (the step's taps in that mode); confidence logits are 0."""
+    if isinstance(head, MTPHead):
+        if anchor_taps_RXD is None:
+            raise ValueError("the MTP drafter needs the tower's final state at the anchor's predecessor")
+        return _propose_mtp(head, anchor_R, anchor_pos_R, anchor_taps_RXD, rings_ZRSH[0], ring_pos_RS, embed_VD,
+                            head_VD, (temperature_R, top_k_R, top_p_R, min_p_R, seed_R), ops, depth)
     base, xh = head.base_logits(anchor_R, anchor_pos_R, rings_ZRSH, ring_pos_RS, embed_VD, head_VD, ops, depth)
     prev = anchor_R.astype(jnp.int32)
     tokens, probs, conf = [], [], []
@@ -136,3 +147,24 @@ def propose(head, anchor_R: jax.Array, anchor_pos_R: jax.Array, rings_ZRSH: jax.
         prev = token
     return Proposal(tokens=jnp.stack(tokens, axis=1), probs=jnp.stack(probs, axis=1),
                     confidence_logits=jnp.stack(conf, axis=1))
+
+
+def _propose_mtp(head: MTPHead, anchor_R, anchor_pos_R, h_RCD, ring_RSH, ring_pos_RS, embed_VD, head_VD, sampling,
+                 ops, depth: int | None) -> Proposal:
+    """The MTP layer applied `depth` times (`dsv4.layers.mtp`): pass j at position anchor_pos + j
+    reads the token drawn by pass j-1 (the anchor for j = 0) and its output state."""
+    temperature_R, top_k_R, top_p_R, min_p_R, seed_R = sampling
+    k = head.block_size if depth is None else depth
+    token, h = anchor_R.astype(jnp.int32), h_RCD
+    own = jnp.zeros((anchor_R.shape[0], 0, ring_RSH.shape[-1]), ring_RSH.dtype)
+    tokens, probs = [], []
+    for j in range(k):
+        pos = anchor_pos_R + j
+        logits, h, kv = head.draft_logits(h, token, pos, ring_RSH, head.window_ok(ring_pos_RS, anchor_pos_R, pos),
+                                          own, embed_VD, head_VD, ops)
+        own = jnp.concatenate([own, kv[:, None].astype(own.dtype)], axis=1)
+        token = sample(logits, temperature_R, top_k_R, top_p_R, min_p_R, seed_R, pos + 2, Stream.DRAFT)
+        tokens.append(token)
+        probs.append(probabilities(logits, temperature_R, top_k_R, top_p_R, min_p_R))
+    tok = jnp.stack(tokens, axis=1)
+    return Proposal(tokens=tok, probs=jnp.stack(probs, axis=1), confidence_logits=jnp.zeros(tok.shape, jnp.float32))

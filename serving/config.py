@@ -47,7 +47,7 @@ class ServingConfig:
     max_req_tokens: int | None = None  # an operator's tighter cap on prompt + max_tokens
     max_waiting: int = 1024  # queued requests before RESOURCE_EXHAUSTED
     max_logprobs: int = 20  # the widest top-n logprobs a request may ask for
-    speculation: str = "none"  # none | dspark (mtp: not yet): a draft head proposes, the model verifies
+    speculation: str = "none"  # none | dspark | mtp: a draft head proposes, the model verifies
     num_speculative_tokens: int = 0  # drafts verified per request and step (K); 0 = the head's block size
     capacity_verification: bool = False  # per-request lengths from draft confidence and measured step speed
     draft_fp8_head: bool = False  # the draft's LM-head matmul in row-wise FP8
@@ -82,15 +82,15 @@ class ServingConfig:
             bad.append(f"prefix_cache_snapshots must be >= 0 (0 = automatic), got {self.prefix_cache_snapshots}")
         if self.max_logprobs < 0:
             bad.append(f"max_logprobs must be >= 0, got {self.max_logprobs}")
-        if self.speculation == "mtp":
-            bad.append("speculation 'mtp' (the classic MTP layer) is not available yet: use dspark or none")
-        elif self.speculation not in ("none", "dspark"):
-            bad.append(f"speculation must be none or dspark, got {self.speculation!r}")
+        if self.speculation not in ("none", "dspark", "mtp"):
+            bad.append(f"speculation must be none, dspark or mtp, got {self.speculation!r}")
+        if self.speculation == "mtp" and self.capacity_verification:
+            bad.append("capacity_verification needs the DSpark head's confidences (speculation dspark)")
         if self.num_speculative_tokens < 0:
             bad.append(f"num_speculative_tokens must be >= 0 (0 = the head's block size), got "
                        f"{self.num_speculative_tokens}")
         if self.speculation == "none" and (self.capacity_verification or self.draft_fp8_head):
-            bad.append("capacity_verification and draft_fp8_head need speculation dspark")
+            bad.append("capacity_verification and draft_fp8_head need speculation dspark or mtp")
         if self.speculation != "none" and self.deployment is not None:
             bad.append("speculation on a device mesh (deployment) is not supported yet")
         if (self.deployment is None) != (not self.mesh):
@@ -187,7 +187,7 @@ def make_engine(model, config: ServingConfig, *, eos_token_ids: tuple[int, ...] 
     max_model_len); generation stops at the model's EOS and at `eos_token_ids` (the
     tokenizer's); `progress(i, n, bucket)` is called before each program compiles. Speculative
     decoding runs when the model carries its draft head (`load_model` loads it for
-    speculation dspark)."""
+    speculation dspark or mtp)."""
     from dsv4.memory import device_memory_bytes
     from dsv4.ops.registry import ops_for
     from dsv4.state import StateGeometry, default_page_tokens
@@ -314,22 +314,25 @@ def _bytes_in_use(device) -> int:
 def draft_to_load(config: ServingConfig, path: str) -> str:
     """The `draft` argument of `dsv4.load_pretrained`: config.speculation when the checkpoint
     has that head, else "none" with a warning (the server runs without speculation)."""
-    from checkpoints.loader import has_draft
+    from checkpoints.loader import draft_kind
 
     if config.speculation == "none":
         return "none"
-    if has_draft(path):
-        return config.speculation
-    log.warning("%s has no DSpark draft head (no mtp.* tensors or no dspark_* config): running with speculation "
-                "none", path)
+    held = draft_kind(path)
+    if held == config.speculation:
+        return held
+    what = "no draft head (no mtp.* tensors, or a config without one)" if held == "none" else f"a {held} head"
+    log.warning("%s has %s, not the %s head asked for: running with speculation none", path, what,
+                config.speculation)
     return "none"
 
 
 def load_model(config: ServingConfig):
     """(dsv4.Model, tokenizer) for `config`: the embedded demo model when config.model is
     "tiny" (written into demo_dir on first use), else the checkpoint directory; sharded over
-    the configured mesh; with speculation dspark, its draft head too (`Model.draft_head`; a
-    checkpoint without one runs with speculation none, with a warning); the persistent
+    the configured mesh; with speculation dspark or mtp, that draft head too
+    (`Model.draft_head`; a checkpoint without it runs with speculation none, with a
+    warning); the persistent
     compilation cache turned on when configured."""
     import jax
 

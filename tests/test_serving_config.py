@@ -64,8 +64,8 @@ def test_file_errors_name_the_problem(tmp_path):
     (dict(max_waiting=0), "max_waiting"),
     (dict(max_logprobs=-1), "max_logprobs"),
     (dict(prefix_cache_snapshots=-1), "prefix_cache_snapshots"),
-    (dict(speculation="mtp"), "not available yet"),
-    (dict(speculation="eagle"), "speculation must be none or dspark"),
+    (dict(speculation="eagle"), "speculation must be none, dspark or mtp"),
+    (dict(speculation="mtp", capacity_verification=True), "needs the DSpark head's confidences"),
     (dict(speculation="dspark", num_speculative_tokens=-1), "num_speculative_tokens must be >= 0"),
     (dict(capacity_verification=True), "need speculation dspark"),
     (dict(draft_fp8_head=True), "need speculation dspark"),
@@ -133,10 +133,13 @@ def test_a_checkpoint_without_a_draft_head_runs_speculation_none_and_says_so(tmp
     spec = ServingConfig(speculation="dspark")
     with caplog.at_level("WARNING", logger="serving.config"):
         assert draft_to_load(spec, str(tmp_path / "plain")) == "none"
-    assert "has no DSpark draft head" in caplog.text and "speculation none" in caplog.text
+    assert "has no draft head" in caplog.text and "speculation none" in caplog.text
     assert draft_to_load(spec, str(tmp_path / "draft")) == "dspark"
     assert draft_to_load(ServingConfig(), str(tmp_path / "draft")) == "none"
-    with pytest.raises(CheckpointError, match="no DSpark head"):
+    with pytest.raises(CheckpointError, match="asked for a dspark draft head"):
         dsv4.load_pretrained(tmp_path / "plain", dtype="float32", draft="dspark")
+    with caplog.at_level("WARNING", logger="serving.config"):
+        assert draft_to_load(ServingConfig(speculation="mtp"), str(tmp_path / "draft")) == "none"
+    assert "has a dspark head, not the mtp head asked for" in caplog.text
     model = dsv4.load_pretrained(tmp_path / "draft", dtype="float32", draft="dspark")
     assert model.draft_head is not None and model.draft_head.block_size == 5

@@ -229,7 +229,7 @@ def test_prompt_mode_prints_json_lines_and_exit_codes(shared, tmp_path, capsys):
     assert generate.main(base) == 0  # the default demo prompt
     assert [json.loads(line)["id"] for line in capsys.readouterr().out.splitlines()] == [0]
     usage = [
-        ["--temperature", "hot"], ["--temperature", "-1"], ["--speculation", "mtp"],
+        ["--temperature", "hot"], ["--temperature", "-1"], ["--speculation", "eagle"],
         ["--prompt", "x", "--input", str(tmp_path / "in.jsonl")], ["--input", str(tmp_path / "missing.jsonl")],
         ["--stop-token-ids", "1,x"], ["--max-num-seqs", "0"],
     ]
