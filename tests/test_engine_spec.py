@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import dsv4
@@ -127,3 +128,36 @@ def test_capacity_aware_verification_keeps_greedy_output_and_reports_telemetry(p
     assert t.compact_steps > 0 and t.fixed_steps == 0 and 0 < t.mean_length < K
     assert usage[0].draft_tokens < 24 * K  # fewer drafts than fixed-width verification would score
     assert 2 in {depth for _, depth in spec._compiled}  # some blocks were drafted 2 deep (load-aware depth)
+
+
+def test_a_prefix_cache_hit_is_kept_out_of_the_draft_context_and_tokens_stay_greedy(parts):
+    """Two requests sharing a 32-token prefix, one after the other, with the prefix cache on:
+    the second restores the prefix (its target rings and pages), its slot's draft rings
+    forget the first request's positions, and both give plain greedy decoding's tokens."""
+    model, _, _, path = parts
+    head = load_draft(path, dtype=jnp.float32)
+    page = default_page_tokens(SPEC)
+    per_seq = math.ceil(MAX_LEN / page)
+    geometry = StateGeometry(num_slots=2, num_pages=4 * per_seq, page_tokens=page, max_pages_per_seq=per_seq,
+                             max_spec_tokens=K, dtype=jnp.float32)
+    runner = StepRunner(model.graphdef, model.params, SPEC, geometry,
+                        make_buckets(16, 1, max_spec_tokens=K, taps=True, token_sizes=[16]), ops_for("reference"),
+                        snapshot_slots=4)
+    spec = SpecRunner(runner, head, ops_for("reference"), k=K)
+    limits = EngineLimits(vocab_size=SPEC.vocab_size, eos_token_ids=(), max_num_batched_tokens=16,
+                          max_model_len=MAX_LEN, max_waiting=8)
+    eng = Engine(runner, limits, speculator=spec, prefix_cache=True)
+    shared = PROMPTS[2][:32]
+    prompts = [shared + [3, 1, 4], shared + [2, 7, 1, 8]]
+    want = model.generate(prompts, 14, max_num_seqs=1, max_num_batched_tokens=16)
+    got, usage = [], []
+    for i, prompt in enumerate(prompts):
+        out, finals = run_all(eng, [EngineRequest(f"r{i}", tuple(prompt), SamplingParams(max_tokens=14,
+                                                                                           ignore_eos=True))])
+        got.append(out[f"r{i}"])
+        usage.append(finals[f"r{i}"].usage)
+    assert got == want
+    assert usage[0].cached_prompt_tokens == 0 and usage[1].cached_prompt_tokens == 32
+    assert usage[1].draft_tokens > 0
+    held = np.asarray(spec.draft.ring_pos[0])  # both ran in slot 0
+    assert held[held >= 0].min() == 32  # the restored prefix's positions are not draft context
