@@ -65,13 +65,31 @@ def sample(logits_OV: jax.Array, temperature_O: jax.Array, top_k_O: jax.Array, t
     waiting for the device, so the step's launch would block until the whole forward had run
     and the host could no longer prepare the next step meanwhile.
     """
+    scaled, keep = filtered(logits_OV, temperature_O, top_k_O, top_p_O, min_p_O)
+    return _draw(logits_OV, scaled, keep, temperature_O, seed_O, position_O, stream)
+
+
+def sample_and_probabilities(logits_OV: jax.Array, temperature_O: jax.Array, top_k_O: jax.Array,
+                             top_p_O: jax.Array, min_p_O: jax.Array, seed_O: jax.Array, position_O: jax.Array,
+                             stream: Stream = Stream.TARGET) -> tuple[jax.Array, jax.Array]:
+    """(`sample`, `probabilities`) of the same rows, the filters (their sort) run once."""
+    scaled, keep = filtered(logits_OV, temperature_O, top_k_O, top_p_O, min_p_O)
+    return (_draw(logits_OV, scaled, keep, temperature_O, seed_O, position_O, stream),
+            _distribution(logits_OV, scaled, keep, temperature_O))
+
+
+def _draw(logits_OV, scaled_OV, keep_OV, temperature_O, seed_O, position_O, stream: Stream) -> jax.Array:
     greedy = jnp.argmax(logits_OV, axis=-1)
     keys = jax.vmap(row_key, in_axes=(0, 0, None))(seed_O, position_O, stream)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits_OV.shape[-1:], jnp.float32))(keys)
-    hot = temperature_O > 0
-    scaled, keep = filtered(logits_OV, temperature_O, top_k_O, top_p_O, min_p_O)
-    drawn = jnp.argmax(jnp.where(keep, scaled + gumbel, -jnp.inf), axis=-1)
-    return jnp.where(hot, drawn, greedy).astype(jnp.int32)
+    drawn = jnp.argmax(jnp.where(keep_OV, scaled_OV + gumbel, -jnp.inf), axis=-1)
+    return jnp.where(temperature_O > 0, drawn, greedy).astype(jnp.int32)
+
+
+def _distribution(logits_OV, scaled_OV, keep_OV, temperature_O) -> jax.Array:
+    probs = jax.nn.softmax(jnp.where(keep_OV, scaled_OV, -jnp.inf), axis=-1)
+    one_hot = jax.nn.one_hot(jnp.argmax(logits_OV, axis=-1), logits_OV.shape[-1], dtype=jnp.float32)
+    return jnp.where((temperature_O > 0)[:, None], probs, one_hot)
 
 
 def filtered(logits_OV: jax.Array, temperature_O: jax.Array, top_k_O: jax.Array, top_p_O: jax.Array,
@@ -97,9 +115,7 @@ def probabilities(logits_OV: jax.Array, temperature_O: jax.Array, top_k_O: jax.A
     the scaled logits over the kept tokens, or one-hot on the argmax at temperature 0. These
     are the p and q of speculative verification (`dsv4.speculative`)."""
     scaled, keep = filtered(logits_OV, temperature_O, top_k_O, top_p_O, min_p_O)
-    probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
-    one_hot = jax.nn.one_hot(jnp.argmax(logits_OV, axis=-1), logits_OV.shape[-1], dtype=jnp.float32)
-    return jnp.where((temperature_O > 0)[:, None], probs, one_hot)
+    return _distribution(logits_OV, scaled, keep, temperature_O)
 
 
 def _sorted_floor(scaled_OV: jax.Array, k_O: jax.Array, top_p_O: jax.Array, top_p_on_O: jax.Array) -> jax.Array:

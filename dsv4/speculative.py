@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv4.layers.mtp import MTPHead
-from dsv4.sampling import Stream, probabilities, row_key, sample
+from dsv4.sampling import Stream, row_key, sample_and_probabilities
 
 
 @jax.tree_util.register_dataclass
@@ -69,10 +69,10 @@ def verify(target_logits_RJV: jax.Array, draft_tokens_RK: jax.Array, draft_probs
     rep = lambda x: jnp.repeat(x, j1, axis=0)  # noqa: E731  per request -> per (request, j) row
     flat_logits = target_logits_RJV.reshape(r * j1, v)
     params = (rep(temperature_R), rep(top_k_R), rep(top_p_R), rep(min_p_R))
-    p = probabilities(flat_logits, *params).reshape(r, j1, v)
     positions = position_R[:, None].astype(jnp.int32) + jnp.arange(j1, dtype=jnp.int32)[None, :]  # [R, K+1]
-    # What plain sampling would emit at every j (used for the bonus, and for greedy rows).
-    plain = sample(flat_logits, *params, rep(seed_R), positions.reshape(-1)).reshape(r, j1)
+    # P, and what plain sampling would emit at every j (used for the bonus, and for greedy rows).
+    plain, p = sample_and_probabilities(flat_logits, *params, rep(seed_R), positions.reshape(-1))
+    plain, p = plain.reshape(r, j1), p.reshape(r, j1, v)
 
     drafts = draft_tokens_RK.astype(jnp.int32)
     p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]  # [R, K]
@@ -140,9 +140,10 @@ def propose(head, anchor_R: jax.Array, anchor_pos_R: jax.Array, rings_ZRSH: jax.
         bias, e = head.markov_bias(prev)
         logits = base[:, k] + bias
         position = anchor_pos_R + 2 + k
-        token = sample(logits, temperature_R, top_k_R, top_p_R, min_p_R, seed_R, position, Stream.DRAFT)
+        token, q = sample_and_probabilities(logits, temperature_R, top_k_R, top_p_R, min_p_R, seed_R, position,
+                                            Stream.DRAFT)
         tokens.append(token)
-        probs.append(probabilities(logits, temperature_R, top_k_R, top_p_R, min_p_R))
+        probs.append(q)
         conf.append(head.confidence_logit(xh[:, k], e))
         prev = token
     return Proposal(tokens=jnp.stack(tokens, axis=1), probs=jnp.stack(probs, axis=1),
@@ -163,8 +164,9 @@ def _propose_mtp(head: MTPHead, anchor_R, anchor_pos_R, h_RCD, ring_RSH, ring_po
         logits, h, kv = head.draft_logits(h, token, pos, ring_RSH, head.window_ok(ring_pos_RS, anchor_pos_R, pos),
                                           own, embed_VD, head_VD, ops)
         own = jnp.concatenate([own, kv[:, None].astype(own.dtype)], axis=1)
-        token = sample(logits, temperature_R, top_k_R, top_p_R, min_p_R, seed_R, pos + 2, Stream.DRAFT)
+        token, q = sample_and_probabilities(logits, temperature_R, top_k_R, top_p_R, min_p_R, seed_R, pos + 2,
+                                            Stream.DRAFT)
         tokens.append(token)
-        probs.append(probabilities(logits, temperature_R, top_k_R, top_p_R, min_p_R))
+        probs.append(q)
     tok = jnp.stack(tokens, axis=1)
     return Proposal(tokens=tok, probs=jnp.stack(probs, axis=1), confidence_logits=jnp.zeros(tok.shape, jnp.float32))

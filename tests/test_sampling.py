@@ -361,3 +361,19 @@ def test_pack_batch_rejects_bad_sampling_parameters(bad, message):
     pack_batch([good], Bucket(4, 2, 2), geometry)
     with pytest.raises(ValueError, match=f"^{message}$"):
         pack_batch([good, Chunk(1, 0, [1], [4], outputs=[0], **bad)], Bucket(4, 2, 2), geometry)
+
+
+def test_sample_and_probabilities_is_sample_and_probabilities_in_one():
+    from dsv4.sampling import Stream, probabilities, sample, sample_and_probabilities
+
+    rng = np.random.default_rng(3)
+    o, v = 6, 50
+    logits = jnp.asarray(rng.standard_normal((o, v)) * 3, jnp.float32)
+    params = (jnp.asarray([0.0, 0.7, 1.0, 1.3, 0.9, 2.0], jnp.float32), jnp.asarray([0, 5, 0, 20, 3, 0], jnp.int32),
+              jnp.asarray([1.0, 0.9, 0.5, 1.0, 0.8, 1.0], jnp.float32),
+              jnp.asarray([0.0, 0.0, 0.1, 0.0, 0.0, 0.3], jnp.float32))
+    seeds, positions = jnp.arange(o, dtype=jnp.uint32) * 7, jnp.arange(o, dtype=jnp.int32) + 11
+    tokens, probs = sample_and_probabilities(logits, *params, seeds, positions, Stream.DRAFT)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(sample(logits, *params, seeds, positions,
+                                                                        Stream.DRAFT)))
+    np.testing.assert_array_equal(np.asarray(probs), np.asarray(probabilities(logits, *params)))
