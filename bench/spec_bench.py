@@ -216,7 +216,8 @@ def markdown_row(r: dict, meta: dict, s: Settings) -> str:
         ratio = (f"draft {r['draft_over_plain']:.2f}x plain, spec step {r['spec_over_plain']:.2f}x plain "
                  f"(break-even tau {r['break_even_tau']:.2f}); speedup at tau=1..{s.k + 1}: "
                  + " / ".join(f"{p['speedup']:.2f}" for p in r["projected"]))
-    return f"| {meta['date']} | {meta['device']} (jax {meta['jax_version']}) | `{command(c, s)}` | {what} | {figure} | {ratio} |"
+    device = f"{meta['device']} (jax {meta['jax_version']})"
+    return f"| {meta['date']} | {device} | `{command(c, s)}` | {what} | {figure} | {ratio} |"
 
 
 def parse_args(argv: Sequence[str] | None) -> Settings:

@@ -124,13 +124,12 @@ class SpeculativeGenerator:
     """The reference speculative decoding loop (module docstring). Owns the runner's state
     and a draft state while it runs; one request per slot, all admitted at once."""
 
-    def __init__(self, runner: StepRunner, head: DSparkHead | MTPHead, embed_VD: jax.Array, head_VD: jax.Array, ops: OpSet,
-                 *, num_speculative_tokens: int | None = None, fused: bool = False, draft_fp8_head: bool = False):
+    def __init__(self, runner: StepRunner, head: DSparkHead | MTPHead, embed_VD: jax.Array, head_VD: jax.Array,
+                 ops: OpSet, *, num_speculative_tokens: int | None = None, fused: bool = False, draft_fp8_head: bool = False):
         """runner: the target's StepRunner (logits returned, tap rows in its buckets) whose
         state this generator uses. fused: run each round as one program (`make_spec_step`:
         drafts stay on the device) instead of the reference's separate programs.
         draft_fp8_head: the draft's LM-head matmul in row-wise FP8 (`quant.Fp8Rows`)."""
-        cfg = head.cfg
         if isinstance(head, MTPHead) and not fused:
             raise ValueError("the reference loop drafts with a DSpark head only: run an MTP head with fused=True")
         k = num_speculative_tokens or head.block_size
@@ -443,7 +442,8 @@ def make_spec_step(graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, geometry
                        temperature, top_k, top_p, min_p, seed, ops, depth, anchor_taps)
         pad = k - depth
         prop = dataclasses.replace(
-            prop, tokens=jnp.pad(prop.tokens, ((0, 0), (0, pad))), probs=jnp.pad(prop.probs, ((0, 0), (0, pad), (0, 0))),
+            prop, tokens=jnp.pad(prop.tokens, ((0, 0), (0, pad))),
+            probs=jnp.pad(prop.probs, ((0, 0), (0, pad), (0, 0))),
             confidence_logits=jnp.pad(prop.confidence_logits, ((0, 0), (0, pad)), constant_values=-jnp.inf))
         write = jnp.where(live & (batch.req_slot >= 0), batch.req_slot, s)  # out of range: dropped
         pending = Pending(tokens=pending.tokens.at[write].set(prop.tokens, mode="drop"),

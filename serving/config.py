@@ -332,8 +332,7 @@ def load_model(config: ServingConfig):
     "tiny" (written into demo_dir on first use), else the checkpoint directory; sharded over
     the configured mesh; with speculation dspark or mtp, that draft head too
     (`Model.draft_head`; a checkpoint without it runs with speculation none, with a
-    warning); the persistent
-    compilation cache turned on when configured."""
+    warning); the persistent compilation cache turned on when configured."""
     import jax
 
     import dsv4

@@ -171,7 +171,8 @@ def model_info(config: ServingConfig, model: Any, tokenizer: Tokenizer, engine: 
     lim = engine.limits
     return pb.ModelInfo(
         model=config.model, summary=summary, vocab_size=lim.vocab_size, max_model_len=lim.max_model_len,
-        max_req_tokens=lim.max_req_tokens or 0, speculation=config.speculation if engine.speculative else "none", max_num_seqs=config.max_num_seqs,
+        max_req_tokens=lim.max_req_tokens or 0, speculation=config.speculation if engine.speculative else "none",
+        max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=lim.max_num_batched_tokens, max_logprobs=lim.max_logprobs,
         default_max_tokens=DEFAULT_MAX_TOKENS, eos_token_ids=list(lim.eos_token_ids),
         has_chat_template=tokenizer.has_chat_template, dtype=dtype,

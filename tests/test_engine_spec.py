@@ -29,15 +29,22 @@ def parts(tmp_path_factory):
     path = tmp_path_factory.mktemp("engine_spec")
     write_tiny_checkpoint(SPEC, path, seed=21)
     model = dsv4.load_pretrained(path, dtype="float32")
-    head = load_draft(path, dtype=jnp.float32)
-    page = default_page_tokens(SPEC)
-    per_seq = math.ceil(MAX_LEN / page)
-    geometry = StateGeometry(num_slots=4, num_pages=4 * per_seq, page_tokens=page, max_pages_per_seq=per_seq,
-                             max_spec_tokens=K, dtype=jnp.float32)
-    runner = StepRunner(model.graphdef, model.params, SPEC, geometry,
-                        make_buckets(32, 4, max_spec_tokens=K, taps=True, token_sizes=[8, 32]), ops_for("reference"))
-    spec = SpecRunner(runner, head, ops_for("reference"), k=K)
+    runner, spec = spec_runner(model, load_draft(path, dtype=jnp.float32), slots=4, budget=32, token_sizes=[8, 32])
     return model, runner, spec, path
+
+
+def spec_runner(model, head, *, slots: int, budget: int, token_sizes, k: int = K, pages_per_slot: int = 1,
+                snapshot_slots: int = 0, requests: int | None = None) -> tuple[StepRunner, SpecRunner]:
+    """A float32 StepRunner for MAX_LEN-token requests (buckets with K + 1 outputs per request
+    and taps) and the SpecRunner over it."""
+    page = default_page_tokens(model.config)
+    per_seq = math.ceil(MAX_LEN / page)
+    geometry = StateGeometry(num_slots=slots, num_pages=slots * pages_per_slot * per_seq, page_tokens=page,
+                             max_pages_per_seq=per_seq, max_spec_tokens=k, dtype=jnp.float32)
+    buckets = make_buckets(budget, requests or slots, max_spec_tokens=k, taps=True, token_sizes=token_sizes)
+    runner = StepRunner(model.graphdef, model.params, model.config, geometry, buckets, ops_for("reference"),
+                        snapshot_slots=snapshot_slots)
+    return runner, SpecRunner(runner, head, ops_for("reference"), k=k)
 
 
 def engine(parts, **kw):
@@ -135,15 +142,8 @@ def test_a_prefix_cache_hit_is_kept_out_of_the_draft_context_and_tokens_stay_gre
     the second restores the prefix (its target rings and pages), its slot's draft rings
     forget the first request's positions, and both give plain greedy decoding's tokens."""
     model, _, _, path = parts
-    head = load_draft(path, dtype=jnp.float32)
-    page = default_page_tokens(SPEC)
-    per_seq = math.ceil(MAX_LEN / page)
-    geometry = StateGeometry(num_slots=2, num_pages=4 * per_seq, page_tokens=page, max_pages_per_seq=per_seq,
-                             max_spec_tokens=K, dtype=jnp.float32)
-    runner = StepRunner(model.graphdef, model.params, SPEC, geometry,
-                        make_buckets(16, 1, max_spec_tokens=K, taps=True, token_sizes=[16]), ops_for("reference"),
-                        snapshot_slots=4)
-    spec = SpecRunner(runner, head, ops_for("reference"), k=K)
+    runner, spec = spec_runner(model, load_draft(path, dtype=jnp.float32), slots=2, budget=16, token_sizes=[16],
+                               pages_per_slot=2, snapshot_slots=4, requests=1)
     limits = EngineLimits(vocab_size=SPEC.vocab_size, eos_token_ids=(), max_num_batched_tokens=16,
                           max_model_len=MAX_LEN, max_waiting=8)
     eng = Engine(runner, limits, speculator=spec, prefix_cache=True)

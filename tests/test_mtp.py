@@ -6,9 +6,6 @@ engine with an MTP drafter gives plain greedy decoding's tokens; the loader maps
 
 from __future__ import annotations
 
-import math
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,16 +20,13 @@ from dsv4.config import TINY
 from dsv4.layers.dspark import RING
 from dsv4.layers.mtp import MTPHead
 from dsv4.ops.registry import ops_for
-from dsv4.spec_decode import SpecRunner
-from dsv4.state import StateGeometry, default_page_tokens
-from dsv4.step import StepRunner, make_buckets
 from serving.engine import Engine, EngineLimits, EngineRequest, SamplingParams
+from tests.test_engine_spec import MAX_LEN, run_all, spec_runner
 from tests.test_spec_decode import PROMPTS
 
 MTP_CFG = TINY.replace(vocab_size=16, num_draft_stages=1)
 OPS = ops_for("reference")
 K = 4
-MAX_LEN = 96
 
 
 def test_draft_passes_over_the_ring_equal_the_full_sequence_forward():
@@ -75,13 +69,8 @@ def parts(tmp_path_factory):
     path = tmp_path_factory.mktemp("mtp")
     write_tiny_checkpoint(MTP_CFG, path, seed=5, mtp=True)
     model = dsv4.load_pretrained(path, dtype="float32", draft="mtp")
-    page = default_page_tokens(model.config)
-    per_seq = math.ceil(MAX_LEN / page)
-    geometry = StateGeometry(num_slots=3, num_pages=3 * per_seq, page_tokens=page, max_pages_per_seq=per_seq,
-                             max_spec_tokens=K, dtype=jnp.float32)
-    runner = StepRunner(model.graphdef, model.params, model.config, geometry,
-                        make_buckets(32, 4, max_spec_tokens=K, taps=True, token_sizes=[8, 32]), OPS)
-    return path, model, runner, SpecRunner(runner, model.draft_head, OPS, k=K)
+    runner, spec = spec_runner(model, model.draft_head, slots=3, budget=32, token_sizes=[8, 32], k=K, requests=4)
+    return path, model, runner, spec
 
 
 def test_the_loader_maps_the_mtp_tensors(parts):
@@ -129,17 +118,9 @@ def test_engine_with_the_mtp_drafter_gives_plain_greedy_tokens(parts):
     spec.reset()
     limits = EngineLimits(vocab_size=MTP_CFG.vocab_size, eos_token_ids=(), max_num_batched_tokens=32,
                           max_model_len=MAX_LEN, max_waiting=64)
-    eng = Engine(runner, limits, speculator=spec)
     reqs = [EngineRequest(str(i), tuple(p), SamplingParams(max_tokens=20, ignore_eos=True)) for i, p in
             enumerate(PROMPTS)]
-    for r in reqs:
-        eng.submit(r)
-    out, finals = {}, {}
-    while eng.has_work():
-        for o in eng.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
-            if o.finished:
-                finals[o.request_id] = o
+    out, finals = run_all(Engine(runner, limits, speculator=spec), reqs)
     want = model.generate(PROMPTS, 20, max_num_seqs=3, max_num_batched_tokens=32)
     assert [out[str(i)] for i in range(3)] == want
     usage = [finals[str(i)].usage for i in range(3)]
