@@ -499,10 +499,11 @@ def _summary(tally: Tally, wall_s: float, output: str | None, acceptance: str) -
 
 
 def acceptance_summary(before: SpeculationStats | None, after: SpeculationStats | None) -> str:
-    """Drafting over a run, from the engine's counters at its start and end."""
-    if after is None:
+    """Drafting over a run, from the engine's counters at its start and end (both None, or
+    neither: a speculating engine always reports them)."""
+    if before is None or after is None:
         return "n/a: speculation off"
-    b = before or SpeculationStats(0, 0, 0, (0,) * len(after.position_reached), (0,) * len(after.position_reached))
+    b = before
     drafted = after.draft_tokens - b.draft_tokens
     accepted = after.accepted_draft_tokens - b.accepted_draft_tokens
     verifications = after.verifications - b.verifications
