@@ -1,6 +1,88 @@
 """Custom CPU/CUDA kernels called through XLA FFI.
 
-No kernel library is built yet: the model runs on the pure-JAX reference backend
-(`dsv4.ops.registry.Backend.REFERENCE`). The FFI build (CMake via scikit-build-core) and
-its targets arrive with the kernels themselves; importing this package registers nothing.
+The kernels live in two shared libraries built from `ffi_kernels/csrc` by CMake
+(`ffi_kernels/CMakeLists.txt`, driven by scikit-build-core from pyproject.toml):
+`libdsv4_ffi_cpu.so` always, `libdsv4_ffi_cuda.so` when nvcc was found at build time. Importing
+this package loads whichever libraries were built and registers their handlers with XLA under
+the target names in `TARGETS` (same name on every platform; XLA picks the handler of the
+platform the program runs on). The model reaches them only through
+`dsv4.ops.registry.Backend.FFI`; `require(platform)` raises `FfiNotBuiltError`, saying how to
+build, when a platform's library is missing.
+
+Nothing here reads the environment. A library is looked for next to this file (a wheel
+install, or `cmake --install BUILD --prefix .` in a source checkout) and then among the files
+of the installed `dsv4-jax` distribution (an editable install keeps built files there).
 """
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+from pathlib import Path
+
+import jax
+
+# XLA target name -> exported handler symbol without its platform suffix ("Cpu" / "Cuda").
+TARGETS = {
+    "dsv4_sparse_attention": "Dsv4SparseAttention",
+    "dsv4_indexer_topk": "Dsv4IndexerTopk",
+    "dsv4_kv_write": "Dsv4KvWrite",
+}
+
+LIBRARIES = {"cpu": "libdsv4_ffi_cpu.so", "cuda": "libdsv4_ffi_cuda.so"}
+_SUFFIX = {"cpu": "Cpu", "cuda": "Cuda"}
+
+BUILD_HINT = (
+    "build the kernels with `pip install .` (or `pip install -e .`) from the repository root, which runs "
+    "CMake on ffi_kernels/ (the CUDA library needs nvcc on PATH at build time), or in a source checkout: "
+    "`cmake -S ffi_kernels -B build/ffi && cmake --build build/ffi && cmake --install build/ffi --prefix .`"
+)
+
+
+class FfiNotBuiltError(RuntimeError):
+    """The FFI library for a platform was not built (or not found)."""
+
+
+def _find_library(file_name: str) -> Path | None:
+    here = Path(__file__).resolve().parent / file_name
+    if here.is_file():
+        return here
+    try:
+        files = importlib.metadata.files("dsv4-jax") or ()
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.name == file_name:
+            path = Path(f.locate())
+            if path.is_file():
+                return path
+    return None
+
+
+def _register(platform: str) -> Path | None:
+    path = _find_library(LIBRARIES[platform])
+    if path is None:
+        return None
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    for target, symbol in TARGETS.items():
+        handler = getattr(lib, symbol + _SUFFIX[platform])
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform=platform)
+    return path
+
+
+# platform -> the library registered for it (only platforms whose library was found).
+REGISTERED: dict[str, Path] = {p: path for p in LIBRARIES if (path := _register(p)) is not None}
+
+
+def platform_of(jax_backend: str) -> str:
+    """The library platform serving a JAX backend name ("cpu" -> "cpu", "gpu"/"cuda" -> "cuda")."""
+    return "cuda" if jax_backend in ("gpu", "cuda") else jax_backend
+
+
+def require(platform: str) -> Path:
+    """The registered library of `platform` ("cpu" or "cuda"); FfiNotBuiltError if it was not built."""
+    if platform not in LIBRARIES:
+        raise FfiNotBuiltError(f"no FFI kernels exist for platform {platform!r} (only {sorted(LIBRARIES)})")
+    if platform not in REGISTERED:
+        raise FfiNotBuiltError(f"the {platform} FFI library ({LIBRARIES[platform]}) was not built: {BUILD_HINT}")
+    return REGISTERED[platform]

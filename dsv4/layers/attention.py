@@ -74,7 +74,7 @@ class Compressor(nnx.Module):
         return self.pool(kv, gate, jnp.arange(n)[None], x_BTD.dtype, freqs)
 
     def step(self, x_TD: jax.Array, ctx: StepContext, ring: CompressorRing, ring_size: int, pool: EntryTable,
-             entries_per_page: int, freqs: tuple[float, ...]) -> tuple[CompressorRing, EntryTable]:
+             entries_per_page: int, freqs: tuple[float, ...], ops: OpSet) -> tuple[CompressorRing, EntryTable]:
         """Write the entries the step's tokens complete into `pool`: (ring', pool').
 
         At most T//ratio + R entries complete in a step (a static bound). An entry pools its
@@ -111,7 +111,7 @@ class Compressor(nnx.Module):
                               gate=ring.gate.at[write].set(gate, mode="drop"))
         entry_ids = jnp.where(rows < t, blocks, -1)[:, None]
         pool_rows = ctx.entry_rows(entry_ids, entries_per_page, pool.drop_row, tokens=safe)[:, 0]
-        return ring, pool.write(pool_rows, entries)
+        return ring, ops.table_write(pool, pool_rows, entries)
 
 
 class Indexer(nnx.Module):
@@ -148,7 +148,8 @@ class Indexer(nnx.Module):
         r = cfg.csa_ratio
         epp = geometry.entries_per_page(r)
         q = apply_rope(self.wq_b(qr_TL).reshape(t, cfg.index_n_heads, cfg.index_head_dim), ctx.positions, freqs)
-        ring, keys = self.compressor.step(x_TD, ctx, ring, geometry.compressor_ring_size(r, True), keys, epp, freqs)
+        ring, keys = self.compressor.step(x_TD, ctx, ring, geometry.compressor_ring_size(r, True), keys, epp, freqs,
+                                          ops)
         if cfg.fake_quant:
             q = quant.fake_quant_indexer(q)
         w = self._head_weights(x_TD)
@@ -239,7 +240,8 @@ class Attention(nnx.Module):
         w = cfg.sliding_window
         key_pos = ctx.positions[:, None] - (w - 1) + jnp.arange(w)[None, :]
         window_idx = ctx.history_rows(key_pos, ring_size, st.window.rows)
-        new_st = dataclasses.replace(st, window=st.window.write(ctx.ring_write_rows(ring_size, st.window.drop_row), kv))
+        ring_rows = ctx.ring_write_rows(ring_size, st.window.drop_row)
+        new_st = dataclasses.replace(st, window=ops.table_write(st.window, ring_rows, kv))
 
         comp, comp_idx = None, None
         if self.kind is not AttentionKind.SLIDING:
@@ -247,7 +249,7 @@ class Attention(nnx.Module):
             epp = geometry.entries_per_page(r)
             ring, comp = self.compressor.step(x_TD, ctx, st.compressor,
                                               geometry.compressor_ring_size(r, self.compressor.overlap),
-                                              st.compressed, epp, self.freqs)
+                                              st.compressed, epp, self.freqs, ops)
             new_st = dataclasses.replace(new_st, compressed=comp, compressor=ring)
             if self.kind is AttentionKind.CSA:
                 keys, iring, sel = self.indexer.step(x_TD, qr, ctx, st.index_keys, st.index_compressor, geometry,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import enum
 from typing import Callable
 
 import jax
 
 from dsv4.ops.indexer_topk import reference as indexer_ref
+from dsv4.ops.kv_write import reference as kv_write_ref
 from dsv4.ops.moe_experts import reference as moe_ref
 from dsv4.ops.sparse_attention import reference as attn_ref
 
@@ -17,6 +19,7 @@ class Backend(enum.Enum):
     """Which implementation runs the hot ops."""
 
     REFERENCE = "reference"  # pure JAX / XLA
+    FFI = "ffi"  # the C++/CUDA kernels of ffi_kernels (XLA FFI); MoE experts stay on XLA
 
 
 def embedding_rows(table_VD: jax.Array, ids: jax.Array) -> jax.Array:
@@ -34,6 +37,7 @@ class OpSet:
     indexer_topk: Callable
     indexer_topk_paged: Callable
     moe_experts: Callable  # (x [T, D], sel [T, K], w [T, K], w1, w3, w2: ExpertStack, limit) -> f32 [T, D]
+    table_write: Callable = kv_write_ref.table_write  # (EntryTable, rows [n], values [n, W]) -> EntryTable
     embedding: Callable = embedding_rows  # (table [V, D], ids) -> [*ids.shape, D]
 
 
@@ -48,6 +52,23 @@ _REGISTRY: dict[Backend, OpSet] = {
 }
 
 
+@functools.cache
+def _ffi_ops() -> OpSet:
+    # Imported on first use: importing ffi_kernels loads the built libraries and registers them.
+    from dsv4.ops.indexer_topk import ffi as indexer_ffi
+    from dsv4.ops.kv_write import ffi as kv_write_ffi
+    from dsv4.ops.sparse_attention import ffi as attn_ffi
+
+    return OpSet(
+        sparse_attention=attn_ffi.sparse_attention,
+        sparse_attention_paged=attn_ffi.sparse_attention_paged,
+        indexer_topk=indexer_ffi.indexer_topk,
+        indexer_topk_paged=indexer_ffi.indexer_topk_paged,
+        moe_experts=moe_ref.moe_experts,
+        table_write=kv_write_ffi.table_write,
+    )
+
+
 def parse_backend(backend: Backend | str) -> Backend:
     """An enum member from a member or its value; a clear error otherwise."""
     try:
@@ -57,5 +78,12 @@ def parse_backend(backend: Backend | str) -> Backend:
 
 
 def ops_for(backend: Backend | str) -> OpSet:
-    """The op implementations of `backend` (an enum member or its value)."""
-    return _REGISTRY[parse_backend(backend)]
+    """The op implementations of `backend` (an enum member or its value).
+
+    FFI: the kernels run on whichever platform the program is compiled for; a platform whose
+    library was not built fails at trace time with `ffi_kernels.FfiNotBuiltError`.
+    """
+    backend = parse_backend(backend)
+    if backend is Backend.FFI:
+        return _ffi_ops()
+    return _REGISTRY[backend]

@@ -1,0 +1,73 @@
+// indexer_topk on the CPU: the twin of dsv4/ops/indexer_topk/reference.py (`indexer_topk_paged`).
+//
+// score[t, s] = sum_i w[t, i] * relu(q[t, i] . k[rows[t, s]]) over the candidates s < limit[t];
+// the best min(topk, S) candidates, best first, ties to the lower s; slots left over are -1.
+#include <algorithm>
+#include <vector>
+
+#include "ffi_args.h"
+
+namespace dsv4 {
+namespace {
+
+ffi::Error IndexerTopkImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer key_values,
+                           ffi::AnyBuffer key_scales, ffi::AnyBuffer key_rope, ffi::Buffer<ffi::S32> candidate_rows,
+                           ffi::Buffer<ffi::S32> limit, ffi::Result<ffi::Buffer<ffi::S32>> ids, int32_t block) {
+  if (auto e = CheckRank(q, 3, "q"); e.failure()) return e;
+  const auto q_type = ElemOf(q.element_type());
+  if (!q_type || (*q_type != Elem::kF32 && *q_type != Elem::kBf16)) return Invalid("q must be f32 or bf16");
+  const int64_t t_n = Dim(q, 0), i_n = Dim(q, 1), j_n = Dim(q, 2);
+  TableView keys;
+  if (auto e = MakeTable(key_values, key_scales, key_rope, block, "keys", &keys); e.failure()) return e;
+  if (keys.width() != j_n) return Invalid("key entries must be as wide as q's head dim");
+  const auto wd = w.dimensions(), cd = candidate_rows.dimensions(), od = ids->dimensions();
+  if (wd.size() != 2 || wd[0] != t_n || wd[1] != i_n) return Invalid("w must be [T, I]");
+  if (cd.size() != 2 || cd[0] != t_n) return Invalid("candidate_rows must be [T, S]");
+  if (limit.dimensions().size() != 1 || limit.dimensions()[0] != t_n) return Invalid("limit must be [T]");
+  const int64_t s_n = cd[1];
+  if (od.size() != 2 || od[0] != t_n || od[1] > s_n) return Invalid("ids must be [T, k] with k <= S");
+  const int64_t k_n = od[1];
+
+  std::vector<float> q_t(i_n * j_n), key(j_n), score(s_n);
+  std::vector<int32_t> order;
+  for (int64_t t = 0; t < t_n; ++t) {
+    for (int64_t e = 0; e < i_n * j_n; ++e) q_t[e] = LoadElem(q.untyped_data(), *q_type, t * i_n * j_n + e);
+    const float* w_t = w.typed_data() + t * i_n;
+    const int64_t visible = keys.rows ? std::clamp<int64_t>(limit.typed_data()[t], 0, s_n) : 0;
+    order.resize(visible);
+    for (int64_t s = 0; s < visible; ++s) {
+      const int64_t row = std::clamp<int64_t>(candidate_rows.typed_data()[t * s_n + s], 0, keys.rows - 1);
+      for (int64_t j = 0; j < j_n; ++j) key[j] = DecodeEntry(keys, row, j);
+      float total = 0.0f;
+      for (int64_t i = 0; i < i_n; ++i) {
+        float dot = 0.0f;
+        for (int64_t j = 0; j < j_n; ++j) dot += q_t[i * j_n + j] * key[j];
+        total += w_t[i] * std::max(dot, 0.0f);
+      }
+      score[s] = total;
+      order[s] = static_cast<int32_t>(s);
+    }
+    const int64_t kept = std::min(k_n, visible);
+    std::partial_sort(order.begin(), order.begin() + kept, order.end(), [&](int32_t a, int32_t b) {
+      return score[a] > score[b] || (score[a] == score[b] && a < b);
+    });
+    int32_t* out = ids->typed_data() + t * k_n;
+    for (int64_t k = 0; k < k_n; ++k) out[k] = k < kept ? order[k] : -1;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace dsv4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4IndexerTopkCpu, dsv4::IndexerTopkImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // q [T, I, J] f32 | bf16
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w [T, I] (score scale folded in)
+                                  .Arg<xla::ffi::AnyBuffer>()  // key values [Rk, J] (packed e2m1: [Rk, J/2])
+                                  .Arg<xla::ffi::AnyBuffer>()  // key scales [Rk, J/block] u8 (or [Rk, 0])
+                                  .Arg<xla::ffi::AnyBuffer>()  // key rope [Rk, 0] (indexer keys have none)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // candidate_rows [T, S]: key row of candidate s
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // limit [T]: candidates s < limit are visible
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // ids [T, min(topk, S)], -1 = none
+                                  .Attr<int32_t>("block"));    // values per scale byte

@@ -1,0 +1,74 @@
+// kv_write: quantise-and-store of new entries into a table (dsv4.state.EntryTable.write with the
+// model's fake-quant codec), shared by the CPU and CUDA kernels: one function encodes one row.
+#pragma once
+
+#include <cstdint>
+
+#include "tables.h"
+
+namespace dsv4 {
+
+// The grid the leading `quant_width` columns are rounded to (the rest are stored as they come).
+enum class Grid : int32_t { kNone = 0, kE4m3 = 1, kE2m1 = 2 };
+
+struct WritableTable {
+  void* values;
+  Elem values_type;
+  int64_t values_width;  // decoded values per row
+  uint8_t* scales;
+  int64_t scales_width;
+  void* rope;
+  Elem rope_type;
+  int64_t rope_width;
+  int64_t rows;
+};
+
+DSV4_HD void StoreFloat(void* base, Elem type, int64_t i, float v) {
+  if (type == Elem::kF32) {
+    static_cast<float*>(base)[i] = v;
+  } else {
+    static_cast<uint16_t*>(base)[i] = FloatToBf16(v);
+  }
+}
+
+DSV4_HD float RoundToGrid(Grid grid, float y) { return grid == Grid::kE4m3 ? RoundE4m3(y) : RoundE2m1(y); }
+
+// Encodes block `b` (columns [b * block, min((b + 1) * block, quant_width))) of one input row
+// `x` (f32 | bf16, `x_type`) into row `row` of `t`, as quant._quantize_blocks then the codec.
+DSV4_HD void WriteQuantBlock(const WritableTable& t, int64_t row, const void* x, Elem x_type, int64_t x_offset,
+                             Grid grid, int64_t quant_width, int64_t block, int64_t b) {
+  const int64_t lo = b * block, hi = lo + block < quant_width ? lo + block : quant_width;
+  float amax = 0.0f;
+  for (int64_t k = lo; k < hi; ++k) amax = fmaxf(amax, fabsf(LoadElem(x, x_type, x_offset + k)));
+  const uint8_t scale_byte = BlockScaleByte(amax, grid == Grid::kE4m3 ? kFp8Max : kFp4Max);
+  const float scale = E8m0ToFloat(scale_byte);
+  if (t.scales_width) t.scales[row * t.scales_width + b] = scale_byte;
+  for (int64_t k = lo; k < hi; ++k) {
+    const float g = RoundToGrid(grid, LoadElem(x, x_type, x_offset + k) / scale);
+    const int64_t at = row * t.values_width + k;
+    switch (t.values_type) {
+      case Elem::kE4m3: static_cast<uint8_t*>(t.values)[at] = GridFloatToE4m3(g); break;
+      case Elem::kE2m1x2: {
+        uint8_t* byte = static_cast<uint8_t*>(t.values) + at / 2;
+        const uint8_t code = GridFloatToE2m1(g);
+        *byte = (at & 1) ? static_cast<uint8_t>((*byte & 0x0fu) | (code << 4))
+                         : static_cast<uint8_t>((*byte & 0xf0u) | code);
+        break;
+      }
+      default: StoreFloat(t.values, t.values_type, at, g * scale);  // dense fake-quant values
+    }
+  }
+}
+
+// The columns past quant_width: values stored as they are, then the rope part.
+DSV4_HD void WritePlainColumn(const WritableTable& t, int64_t row, const void* x, Elem x_type, int64_t x_offset,
+                              int64_t k) {
+  const float v = LoadElem(x, x_type, x_offset + k);
+  if (k < t.values_width) {
+    StoreFloat(t.values, t.values_type, row * t.values_width + k, v);
+  } else {
+    StoreFloat(t.rope, t.rope_type, row * t.rope_width + (k - t.values_width), v);
+  }
+}
+
+}  // namespace dsv4

@@ -1,0 +1,232 @@
+"""The FFI kernels (ffi_kernels/csrc) against their pure-JAX twins (dsv4/ops/*/reference.py).
+
+CPU here and in CI (the CPU library is built by `pip install`); the same tests run on the GPU
+on the device machine, where the CUDA library serves the same targets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ffi_kernels
+from dsv4 import quant
+from dsv4.ops.indexer_topk import ffi as indexer_ffi, reference as indexer_ref
+from dsv4.ops.kv_write import ffi as kv_write_ffi, reference as kv_write_ref
+from dsv4.ops.registry import Backend, ops_for
+from dsv4.ops.sparse_attention import ffi as attn_ffi, reference as attn_ref
+from dsv4.state import EntryFormat, EntryTable
+
+KV_FORMATS = [EntryFormat.DENSE, EntryFormat.DENSE_KV_QAT, EntryFormat.KV_FP8]
+INDEX_FORMATS = [EntryFormat.DENSE, EntryFormat.DENSE_INDEX_QAT, EntryFormat.INDEX_FP8, EntryFormat.INDEX_FP4]
+
+
+def _platform() -> str:
+    return ffi_kernels.platform_of(jax.default_backend())
+
+
+def test_the_library_of_this_platform_is_built_and_registered():
+    # Not a skip: CI's `pip install` must have built the CPU library, and a missing one must fail.
+    path = ffi_kernels.require(_platform())
+    assert path.is_file()
+
+
+def test_a_missing_library_says_how_to_build_it(monkeypatch):
+    monkeypatch.setattr(ffi_kernels, "REGISTERED", {})
+    with pytest.raises(ffi_kernels.FfiNotBuiltError, match="pip install"):
+        attn_ffi.sparse_attention(jnp.zeros((1, 1, 1, 8)), jnp.zeros((1, 2, 8)), jnp.zeros((1, 1, 2), jnp.int32),
+                                  jnp.zeros((1,)), 1.0)
+    with pytest.raises(ffi_kernels.FfiNotBuiltError, match="no FFI kernels exist"):
+        ffi_kernels.require("tpu")
+
+
+def test_the_ffi_backend_is_an_opset():
+    ops = ops_for("ffi")
+    assert ops.sparse_attention_paged is attn_ffi.sparse_attention_paged
+    assert ops.table_write is kv_write_ffi.table_write
+    assert ops_for(Backend.REFERENCE).table_write is kv_write_ref.table_write
+
+
+# ---------------------------------------------------------------- tables
+
+
+def _table(rng, fmt: EntryFormat, rows: int, width: int, rope: int, dtype, *, scale=1.0) -> EntryTable:
+    """A table of `rows` random entries written by the reference codec (every row filled)."""
+    values = jnp.asarray(scale * rng.normal(size=(rows, width)), dtype)
+    return EntryTable.zeros(rows, width, fmt, rope, dtype).write(jnp.arange(rows), values)
+
+
+def _bits(a) -> np.ndarray:
+    a = np.asarray(jax.device_get(a))
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(f"u{a.dtype.itemsize}")
+
+
+def _assert_same_table(got: EntryTable, want: EntryTable):
+    assert len(got.arrays) == len(want.arrays)
+    for g, w in zip(got.arrays, want.arrays):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
+# ---------------------------------------------------------------- kv_write
+
+
+@pytest.mark.parametrize("fmt", KV_FORMATS + INDEX_FORMATS[1:])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kv_write_stores_what_the_reference_stores_bit_for_bit(fmt, dtype):
+    rng = np.random.default_rng(3)
+    index = fmt in INDEX_FORMATS[1:]
+    # KV: 84 quantised columns = one full and one ragged 64-block, then 16 rope columns.
+    width, rope = (64, 0) if index else (100, 16)
+    table = _table(rng, fmt, 12, width, rope, dtype)
+    n = 7
+    values = rng.normal(size=(n, width)) * rng.choice([1e-3, 1.0, 300.0], size=(n, 1))
+    values[1, :32] = 0.0  # an all-zero block: the floored scale
+    values[2, 3] = 1e4  # saturates the grid's largest value in its block
+    rows = np.array([4, -1, 0, 11, 12, 7, 2], np.int32)  # -1 and 12 (= rows) are dropped
+    args = (jnp.asarray(rows), jnp.asarray(values, dtype))
+    want = kv_write_ref.table_write(table, *args)
+    got = jax.jit(kv_write_ffi.table_write)(table, *args)
+    _assert_same_table(got, want)
+    untouched = [r for r in range(12) if r not in rows]
+    for g, old in zip(got.arrays, table.arrays):
+        np.testing.assert_array_equal(_bits(g)[untouched], _bits(old)[untouched])
+
+
+def test_kv_write_with_no_kept_rows_changes_nothing():
+    rng = np.random.default_rng(4)
+    table = _table(rng, EntryFormat.KV_FP8, 5, 40, 8, jnp.bfloat16)
+    got = kv_write_ffi.table_write(table, jnp.full((3,), -1, jnp.int32), jnp.ones((3, 40), jnp.bfloat16))
+    _assert_same_table(got, table)
+
+
+# ---------------------------------------------------------------- sparse attention
+
+
+def _window_idx(rng, t, w, ring_rows, fresh_rows):
+    """[T, W] with ring rows, fresh rows (ring_rows + i) and -1, duplicate-free per query."""
+    idx = np.full((t, w), -1, np.int32)
+    pool = ring_rows + fresh_rows
+    for i in range(t):
+        m = rng.integers(0, min(w, pool) + 1)
+        idx[i, rng.choice(w, m, replace=False)] = rng.choice(pool, m, replace=False)
+    return idx
+
+
+def _comp_idx(rng, t, x, rows):
+    idx = np.full((t, x), -1, np.int32)
+    for i in range(t):
+        m = rng.integers(0, min(x, rows) + 1)
+        idx[i, rng.choice(x, m, replace=False)] = rng.choice(rows, m, replace=False)
+    idx[0, -1] = rows  # past the pool: no entry
+    return idx
+
+
+def _close(got, want, dtype):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("fmt", KV_FORMATS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("t", [1, 6, 13])  # one decode query, a K+1 verify block, a prefill chunk
+@pytest.mark.parametrize("with_pool", [True, False])
+def test_sparse_attention_paged_matches_the_reference(fmt, dtype, t, with_pool):
+    rng = np.random.default_rng(t)
+    n, h, rope = 5, 80, 16
+    ring = _table(rng, fmt, 20, h, rope, dtype)
+    fresh = EntryTable.from_values(jnp.asarray(rng.normal(size=(t, h)), dtype), like=ring)
+    window_idx = jnp.asarray(_window_idx(rng, t, 9, ring.rows, t))
+    comp, comp_idx = None, None
+    if with_pool:
+        comp = _table(rng, fmt, 11, h, rope, dtype, scale=2.0)
+        comp_idx = jnp.asarray(_comp_idx(rng, t, 6, comp.rows))
+    q = jnp.asarray(rng.normal(size=(t, n, h)), dtype)
+    sink = jnp.asarray(rng.normal(size=(n,)), jnp.float32)
+    args = (q, (ring, fresh), window_idx, comp, comp_idx, sink, h ** -0.5)
+    want = attn_ref.sparse_attention_paged(*args)
+    got = jax.jit(attn_ffi.sparse_attention_paged, static_argnums=6)(*args)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    _close(got, want, dtype)
+
+
+def test_sparse_attention_paged_with_nothing_selected_is_zero():
+    rng = np.random.default_rng(0)
+    ring = _table(rng, EntryFormat.KV_FP8, 4, 40, 8, jnp.float32)
+    fresh = EntryTable.from_values(jnp.ones((2, 40)), like=ring)
+    q = jnp.asarray(rng.normal(size=(2, 3, 40)), jnp.float32)
+    out = attn_ffi.sparse_attention_paged(q, (ring, fresh), jnp.full((2, 5), -1, jnp.int32), ring,
+                                          jnp.full((2, 3), -1, jnp.int32), jnp.zeros((3,)), 0.1)
+    np.testing.assert_array_equal(np.asarray(out), 0.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_whole_sequence_sparse_attention_matches_the_reference(dtype):
+    rng = np.random.default_rng(5)
+    b, t, n, h, s, x = 2, 7, 3, 24, 9, 5
+    q = jnp.asarray(rng.normal(size=(b, t, n, h)), dtype)
+    kv = jnp.asarray(rng.normal(size=(b, s, h)), dtype)
+    idx = np.full((b, t, x), -1, np.int32)
+    for bi in range(b):
+        for ti in range(1, t):  # query 0 of each row selects nothing
+            m = rng.integers(1, x + 1)
+            idx[bi, ti, rng.choice(x, m, replace=False)] = rng.choice(s, m, replace=False)
+    sink = jnp.asarray(rng.normal(size=(n,)), jnp.float32)
+    want = attn_ref.sparse_attention(q, kv, jnp.asarray(idx), sink, 0.3)
+    got = attn_ffi.sparse_attention(q, kv, jnp.asarray(idx), sink, 0.3)
+    _close(got, want, dtype)
+
+
+# ---------------------------------------------------------------- indexer top-k
+
+
+def _indexer_case(rng, fmt, dtype, t, s, rows):
+    i, j = 4, 64
+    keys = _table(rng, fmt, rows, j, 0, dtype)
+    q = jnp.asarray(rng.normal(size=(t, i, j)), dtype)
+    w = jnp.asarray(rng.normal(size=(t, i)), jnp.float32)
+    candidate_rows = jnp.asarray(rng.integers(0, rows, size=(t, s)), jnp.int32)
+    return q, w, keys, candidate_rows
+
+
+@pytest.mark.parametrize("fmt", INDEX_FORMATS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("topk", [3, 16, 40])  # 40 > S: the output keeps min(topk, S) slots
+def test_indexer_topk_paged_matches_the_reference(fmt, dtype, topk):
+    rng = np.random.default_rng(topk)
+    t, s = 6, 24
+    q, w, keys, candidate_rows = _indexer_case(rng, fmt, dtype, t, s, rows=30)
+    limit = jnp.asarray([0, 1, 5, 24, 30, 17], jnp.int32)  # none visible, one, some, all, past S
+    want = indexer_ref.indexer_topk_paged(q, w, keys, candidate_rows, limit, topk)
+    got = jax.jit(indexer_ffi.indexer_topk_paged, static_argnums=5)(q, w, keys, candidate_rows, limit, topk)
+    assert got.shape == want.shape == (t, min(topk, s))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert (np.asarray(got)[0] == -1).all()
+
+
+def test_indexer_topk_ties_go_to_the_lower_candidate():
+    # Negative dots give every candidate a zero score after the ReLU: an all-tie row.
+    q = -jnp.ones((1, 2, 32), jnp.float32)
+    keys = EntryTable.zeros(4, 32, EntryFormat.DENSE, 0, jnp.float32).write(jnp.arange(4), jnp.ones((4, 32)))
+    rows = jnp.asarray([[3, 2, 1, 0, 2]], jnp.int32)
+    got = indexer_ffi.indexer_topk_paged(q, jnp.ones((1, 2)), keys, rows, jnp.asarray([4]), 3)
+    np.testing.assert_array_equal(np.asarray(got), [[0, 1, 2]])
+
+
+def test_whole_sequence_indexer_topk_matches_the_reference():
+    rng = np.random.default_rng(9)
+    b, t, i, j, s = 2, 8, 3, 32, 8
+    q = jnp.asarray(rng.normal(size=(b, t, i, j)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, s, j)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(b, t, i)), jnp.float32)
+    limit = jnp.asarray((np.arange(t)[None] + 1) // 2 * np.ones((b, 1), np.int32), jnp.int32)
+    for topk in (2, 5, 12):
+        want = indexer_ref.indexer_topk(q, k, w, limit, topk)
+        got = indexer_ffi.indexer_topk(q, k, w, limit, topk)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert indexer_ffi.indexer_topk(q, k[:, :0], w, limit * 0, 4).shape == (b, t, 0)
