@@ -230,3 +230,71 @@ def test_whole_sequence_indexer_topk_matches_the_reference():
         got = indexer_ffi.indexer_topk(q, k, w, limit, topk)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert indexer_ffi.indexer_topk(q, k[:, :0], w, limit * 0, 4).shape == (b, t, 0)
+
+
+# ---------------------------------------------------------------- the whole model
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """The same tiny fake-quant checkpoint loaded with the reference and the FFI backends."""
+    from checkpoints.testing import write_tiny_checkpoint
+    import dsv4
+    from dsv4.config import TINY
+
+    cfg = TINY.replace(fake_quant=True)
+    path = tmp_path_factory.mktemp("ffi_ckpt")
+    write_tiny_checkpoint(cfg, path, seed=7, quantized=True, float_dtype="F32")
+    return {b: dsv4.load_pretrained(path, dtype="float32", quantized=True, fake_quant=True, backend=b)
+            for b in ("reference", "ffi")}
+
+
+def _step_logits(model, kv, idx, seqs):
+    import math
+
+    from dsv4.batch import Bucket, Chunk
+    from dsv4.state import StateGeometry
+    from tests.decode_driver import Driver, pages_for
+
+    page, max_len = 16, 128
+    per_seq = math.ceil(max_len / page)
+    geometry = StateGeometry(num_slots=2, num_pages=2 * per_seq, page_tokens=page, max_pages_per_seq=per_seq,
+                             max_spec_tokens=2, dtype=jnp.float32, kv_format=kv, index_format=idx)
+    driver = Driver(model, geometry, Bucket(tokens=64, requests=2, outputs=64))
+    got = [[], []]
+    for start, n in [(0, 20), (20, 1), (21, 9), (30, 30), (60, 1), (61, 14)]:
+        chunks = [Chunk(slot=i, start=start, tokens=s[start:start + n].tolist(), pages=pages_for(i, geometry),
+                        outputs=list(range(len(s[start:start + n])))) for i, s in enumerate(seqs) if start < len(s)]
+        for c, logits in zip(chunks, driver.run(chunks)):
+            got[c.slot].append(logits)
+    return [np.concatenate(g) for g in got], driver.state
+
+
+def test_the_model_with_backend_ffi_gives_the_reference_logits(tiny_pair):
+    from dsv4.state import IndexKeyFormat, KVFormat
+    from tests.tolerances import REL
+
+    rng = np.random.default_rng(5)
+    cfg = tiny_pair["reference"].config
+    seqs = [rng.integers(0, cfg.vocab_size, n) for n in (75, 50)]
+    ids = np.zeros((2, 75), np.int32)
+    ids[0], ids[1, :50] = seqs[0], seqs[1]
+    want = np.asarray(tiny_pair["reference"].logits(ids))
+    got = np.asarray(tiny_pair["ffi"].logits(ids))
+    assert np.max(np.abs(got - want)) <= REL[np.dtype(np.float32)] * np.max(np.abs(want))
+    for kv, idx in [(KVFormat.DENSE, IndexKeyFormat.DENSE), (KVFormat.FP8, IndexKeyFormat.FP4),
+                    (KVFormat.FP8, IndexKeyFormat.FP8)]:
+        want, want_state = _step_logits(tiny_pair["reference"], kv, idx, seqs)
+        got, got_state = _step_logits(tiny_pair["ffi"], kv, idx, seqs)
+        for a, b in zip(got, want):
+            assert np.max(np.abs(a - b)) <= REL[np.dtype(np.float32)] * np.max(np.abs(b)), (kv, idx)
+        # The first layer's stored window is written from identical inputs: bit-equal.
+        _assert_same_table(got_state[0].window, want_state[0].window)
+
+
+def test_generate_with_backend_ffi_gives_the_reference_tokens(tiny_pair):
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, tiny_pair["reference"].config.vocab_size, n).tolist() for n in (3, 40)]
+    want = tiny_pair["reference"].generate(prompts, 12, max_num_seqs=2, max_num_batched_tokens=32)
+    got = tiny_pair["ffi"].generate(prompts, 12, max_num_seqs=2, max_num_batched_tokens=32)
+    assert got == want
