@@ -92,3 +92,22 @@ def test_spec_bench_times_plain_draft_and_fused_steps_and_projects_tokens_per_se
     assert p4["tokens_per_s"] == pytest.approx(4 * p1["tokens_per_s"])
     assert p1["speedup"] == pytest.approx(c["plain_ms"] / c["spec_ms"])
     assert c["break_even_tau"] == pytest.approx(c["spec_ms"] / c["plain_ms"])
+
+
+def test_ffi_bench_times_each_op_on_both_backends_against_the_roofline(tmp_path):
+    from bench import ffi_bench
+
+    path = tmp_path / "ffi.json"
+    out = ffi_bench.main(["--config", "tiny", "--decode", "2", "--prefill", "32", "--context", "64", "--steps", "2",
+                          "--warmup", "1", "--json", str(path)])
+    assert json.loads(path.read_text()) == out
+    results = out["results"]
+    assert [(r["op"], r["case"]) for r in results] == [
+        (op, case) for case in ("decode C2", "prefill 32") for op in ("sparse_attention", "indexer_topk", "kv_write")]
+    for r in results:
+        assert r["status"] == "ok" and r["bytes"] > 0 and r["roofline_ms"] > 0
+        for b in ("ffi", "reference"):
+            assert r[b]["ms"] > 0 and r[b]["over_roofline"] == pytest.approx(r[b]["ms"] / r["roofline_ms"])
+        assert r["ffi_speedup"] == pytest.approx(r["reference"]["ms"] / r["ffi"]["ms"])
+    attn = results[0]  # 2 queries x (16 window rows + 4 top-k entries), 6 heads of 40
+    assert attn["flops"] == 4.0 * 2 * 6 * 40 * (16 + 4)

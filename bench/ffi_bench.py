@@ -1,0 +1,260 @@
+"""Per-call time of the FFI kernels vs the XLA reference path, at FLASH dims, against the roofline.
+
+    python -m bench.ffi_bench [--config flash|tiny] [--decode 1,8,32,64] [--prefill 0] [--context 4096]
+        [--kv-format fp8|dense] [--index-format fp4|fp8|dense] [--backends ffi,reference]
+        [--steps 10] [--warmup 2] [--dtype bfloat16] [--hbm-tbps 4.3] [--tflops 790] [--json PATH]
+
+Ops and cases (one CSA layer's worth; synthetic tables of random entries in the stored format):
+- sparse_attention: C queries (decode C) or P queries (a prefill chunk of P tokens), each over
+  a full window of `sliding_window` rows (ring rows, the query's own fresh row last) and
+  `index_topk` compressed entries of a pool of context / csa_ratio entries per request.
+- indexer_topk: the same queries scoring every visible compressed indexer key of their request
+  (context / csa_ratio candidates) and keeping index_topk.
+- kv_write: the queries' new K=V rows stored into the window ring.
+
+Roofline: max(bytes / HBM bandwidth, FLOPs / peak), with the bytes every kernel must move at
+least once (each selected entry read once per query for all heads, q and out, the scores not
+written) and the defaults the issue measured on the H200 (4.3 TB/s, 790 TFLOP/s dense bf16).
+Each call is timed after `--warmup` calls, median of `--steps`, blocking on the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.step_bench import CONFIGS, DTYPES, _sizes
+from dsv4.config import ModelConfig
+from dsv4.ops.registry import Backend, ops_for
+from dsv4.state import EntryFormat, EntryTable
+
+KV_FORMATS = {"fp8": EntryFormat.KV_FP8, "dense": EntryFormat.DENSE_KV_QAT}
+INDEX_FORMATS = {"fp4": EntryFormat.INDEX_FP4, "fp8": EntryFormat.INDEX_FP8, "dense": EntryFormat.DENSE_INDEX_QAT}
+MAX_CANDIDATE_BYTES = 2 << 30  # the paged indexer takes [T, S] candidate rows: skip cases beyond this
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    config_name: str
+    decode: tuple[int, ...]
+    prefill: int
+    context: int
+    kv_format: str
+    index_format: str
+    backends: tuple[str, ...]
+    steps: int
+    warmup: int
+    dtype_name: str
+    hbm_tbps: float
+    tflops: float
+    json_path: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str  # "decode C8" / "prefill 65536"
+    queries: int  # T
+    requests: int
+    context: int  # positions before the queries' last one, per request
+
+
+def _random_table(key, fmt: EntryFormat, rows: int, width: int, rope: int, dtype) -> EntryTable:
+    values = jax.random.normal(key, (rows, width), jnp.float32).astype(dtype)
+    return EntryTable.zeros(rows, width, fmt, rope, dtype).write(jnp.arange(rows), values)
+
+
+def _row_bytes(table: EntryTable) -> int:
+    return sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize for a in table.arrays)
+
+
+def attention_inputs(cfg: ModelConfig, case: Case, s: Settings, key):
+    """(args of sparse_attention_paged, bytes, flops)."""
+    dtype = DTYPES[s.dtype_name]
+    t, w, h, n = case.queries, cfg.sliding_window, cfg.head_dim, cfg.num_attention_heads
+    per_req = t // case.requests
+    entries = case.context // cfg.csa_ratio
+    ring_rows = case.requests * (w + 6)
+    k = jax.random.split(key, 4)
+    ring = _random_table(k[0], KV_FORMATS[s.kv_format], ring_rows, h, cfg.qk_rope_head_dim, dtype)
+    fresh = EntryTable.from_values(jax.random.normal(k[1], (t, h)).astype(dtype), like=ring)
+    pool = _random_table(k[2], KV_FORMATS[s.kv_format], case.requests * entries, h, cfg.qk_rope_head_dim, dtype)
+    q = jax.random.normal(k[3], (t, n, h)).astype(dtype)
+    rng = np.random.default_rng(0)
+    req = np.arange(t) // per_req
+    window = req[:, None] * (w + 6) + np.arange(w)[None, :]
+    window[:, -1] = ring_rows + np.arange(t)  # the query's own fresh row
+    comp = req[:, None] * entries + rng.integers(0, entries, size=(t, cfg.index_topk))
+    sink = jnp.zeros((n,), jnp.float32)
+    args = (q, (ring, fresh), jnp.asarray(window, jnp.int32), pool, jnp.asarray(comp, jnp.int32), sink, h ** -0.5)
+    selected = w + cfg.index_topk
+    nbytes = t * selected * _row_bytes(ring) + 2 * t * n * h * q.dtype.itemsize
+    flops = 4.0 * t * n * h * selected
+    return args, nbytes, flops
+
+
+def indexer_inputs(cfg: ModelConfig, case: Case, s: Settings, key):
+    """(args of indexer_topk_paged, bytes, flops), or None when the candidate rows are too big."""
+    t, i, j = case.queries, cfg.index_n_heads, cfg.index_head_dim
+    entries = case.context // cfg.csa_ratio
+    if t * entries * 4 > MAX_CANDIDATE_BYTES:
+        return None
+    dtype = DTYPES[s.dtype_name]
+    k = jax.random.split(key, 3)
+    keys = _random_table(k[0], INDEX_FORMATS[s.index_format], case.requests * entries, j, 0, dtype)
+    q = jax.random.normal(k[1], (t, i, j)).astype(dtype)
+    w = jax.random.normal(k[2], (t, i), jnp.float32)
+    req = np.arange(t) // (t // case.requests)
+    rows = jnp.asarray(req[:, None] * entries + np.arange(entries)[None, :], jnp.int32)
+    limit = jnp.full((t,), entries, jnp.int32)
+    args = (q, w, keys, rows, limit, cfg.index_topk)
+    # Every request's keys are read once per query here (no reuse across a request's queries).
+    nbytes = t * entries * _row_bytes(keys) + t * i * j * q.dtype.itemsize + t * cfg.index_topk * 4
+    flops = 2.0 * t * i * j * entries
+    return args, nbytes, flops
+
+
+def kv_write_inputs(cfg: ModelConfig, case: Case, s: Settings, key):
+    dtype = DTYPES[s.dtype_name]
+    h, ring_size = cfg.head_dim, cfg.sliding_window + 6
+    k = jax.random.split(key, 2)
+    table = _random_table(k[0], KV_FORMATS[s.kv_format], case.requests * ring_size, h, cfg.qk_rope_head_dim, dtype)
+    t = min(case.queries, case.requests * ring_size)  # a long chunk's rows wrap: only the last ring's worth land
+    rows = jnp.asarray(np.arange(t) % (case.requests * ring_size), jnp.int32)
+    values = jax.random.normal(k[1], (t, h)).astype(dtype)
+    nbytes = t * (h * values.dtype.itemsize + _row_bytes(table))
+    return (table, rows, values), nbytes, 0.0
+
+
+OPS: dict[str, tuple[Callable, str]] = {
+    "sparse_attention": (attention_inputs, "sparse_attention_paged"),
+    "indexer_topk": (indexer_inputs, "indexer_topk_paged"),
+    "kv_write": (kv_write_inputs, "table_write"),
+}
+_STATIC = {"sparse_attention": (6,), "indexer_topk": (5,), "kv_write": ()}
+
+
+def time_call(fn, args, s: Settings) -> tuple[float, float]:
+    """(compile s, median ms) of fn(*args)."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    compile_s = time.perf_counter() - t0
+    times = []
+    for i in range(s.warmup + s.steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        if i >= s.warmup:
+            times.append(1e3 * (time.perf_counter() - t0))
+    return compile_s, float(np.median(times))
+
+
+def run_op(op: str, cfg: ModelConfig, case: Case, s: Settings, log) -> dict:
+    make, attr = OPS[op]
+    built = make(cfg, case, s, jax.random.key(0))
+    if built is None:
+        log(f"{op} {case.name}: skipped (the [T, S] candidate rows exceed {MAX_CANDIDATE_BYTES >> 30} GiB)")
+        return {"op": op, "case": case.name, "status": "skipped: candidate rows too large"}
+    args, nbytes, flops = built
+    roofline_ms = 1e3 * max(nbytes / (s.hbm_tbps * 1e12), flops / (s.tflops * 1e12))
+    result = {"op": op, "case": case.name, "queries": case.queries, "bytes": nbytes, "flops": flops,
+              "roofline_ms": roofline_ms, "status": "ok"}
+    for backend in s.backends:
+        jitted = jax.jit(getattr(ops_for(backend), attr), static_argnums=_STATIC[op])
+        try:
+            compile_s, ms = time_call(jitted, args, s)
+        except Exception as e:  # noqa: BLE001 - one failing backend must not hide the others' figures
+            if "RESOURCE_EXHAUSTED" not in str(e) and "Out of memory" not in str(e):
+                raise
+            result[backend] = {"status": "OOM"}
+            log(f"{op} {case.name} {backend}: OOM")
+            continue
+        result[backend] = {"compile_s": compile_s, "ms": ms, "over_roofline": ms / roofline_ms,
+                           "gbps": nbytes / ms / 1e6, "tflops": flops / ms / 1e9}
+        log(f"{op} {case.name} {backend}: {ms:.4g} ms ({ms / roofline_ms:.3g}x the roofline "
+            f"{roofline_ms:.3g} ms; {nbytes / ms / 1e6:.4g} GB/s), compiled in {compile_s:.1f} s")
+    if all(isinstance(result.get(b), dict) and "ms" in result[b] for b in ("ffi", "reference")):
+        result["ffi_speedup"] = result["reference"]["ms"] / result["ffi"]["ms"]
+    return result
+
+
+def command(s: Settings) -> str:
+    return (f"python -m bench.ffi_bench --config {s.config_name} --decode {','.join(map(str, s.decode))} "
+            f"--prefill {s.prefill} --context {s.context} --kv-format {s.kv_format} --index-format {s.index_format} "
+            f"--steps {s.steps}")
+
+
+def markdown_row(r: dict, meta: dict, s: Settings) -> str:
+    if r["status"] != "ok":
+        figure, ratio = r["status"], "-"
+    else:
+        parts = [f"{b} {r[b]['ms']:.4g} ms ({r[b]['gbps']:.4g} GB/s, {r[b]['tflops']:.3g} TFLOP/s)"
+                 if "ms" in r[b] else f"{b} {r[b]['status']}" for b in s.backends]
+        figure = "; ".join(parts) + f"; roofline {r['roofline_ms']:.3g} ms"
+        ratio = "; ".join(f"{b} {r[b]['over_roofline']:.3g}x roofline" for b in s.backends if "ms" in r[b])
+        if "ffi_speedup" in r:
+            ratio += f"; ffi {r['ffi_speedup']:.3g}x faster than reference"
+    what = (f"{r['op']}, {s.config_name} dims, {r['case']} at context {s.context}, KV {s.kv_format}, "
+            f"index keys {s.index_format}")
+    return f"| {meta['date']} | {meta['device']} (jax {meta['jax_version']}) | `{command(s)}` | {what} | {figure} | {ratio} |"
+
+
+def parse_args(argv: Sequence[str] | None) -> Settings:
+    p = argparse.ArgumentParser(prog="python -m bench.ffi_bench", description=__doc__.split("\n")[0])
+    p.add_argument("--config", choices=sorted(CONFIGS), default="flash")
+    p.add_argument("--decode", type=_sizes, default=(1, 8, 32, 64), help="decode concurrencies")
+    p.add_argument("--prefill", type=int, default=0, help="tokens of one prefill chunk (0: none)")
+    p.add_argument("--context", type=int, default=4096, help="context per decoding request")
+    p.add_argument("--kv-format", choices=sorted(KV_FORMATS), default="fp8")
+    p.add_argument("--index-format", choices=sorted(INDEX_FORMATS), default="fp4")
+    p.add_argument("--backends", default="ffi,reference")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--hbm-tbps", type=float, default=4.3)
+    p.add_argument("--tflops", type=float, default=790.0)
+    p.add_argument("--json", dest="json_path", default=None)
+    a = p.parse_args(argv)
+    backends = tuple(b.strip() for b in a.backends.split(","))
+    for b in backends:
+        Backend(b)  # a clear error for an unknown backend
+    if a.context % CONFIGS[a.config].csa_ratio or a.prefill < 0:
+        p.error("--context must be a multiple of the CSA ratio and --prefill >= 0")
+    return Settings(a.config, a.decode, a.prefill, a.context, a.kv_format, a.index_format, backends, a.steps,
+                    a.warmup, a.dtype, a.hbm_tbps, a.tflops, a.json_path)
+
+
+def _log(msg: str) -> None:
+    print(f"[ffi_bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    s = parse_args(argv)
+    cfg = CONFIGS[s.config_name]
+    meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
+            "jax_version": jax.__version__, "command": command(s), "hbm_tbps": s.hbm_tbps, "tflops": s.tflops}
+    cases = [Case(f"decode C{c}", c, c, s.context) for c in s.decode]
+    if s.prefill:
+        cases.append(Case(f"prefill {s.prefill}", s.prefill, 1, s.prefill))
+    results = []
+    for case in cases:
+        for op in OPS:
+            results.append(run_op(op, cfg, case, s, _log))
+            if s.json_path:
+                with open(s.json_path, "w") as f:
+                    json.dump({"meta": meta, "results": results}, f, indent=1)
+    rows = [markdown_row(r, meta, s) for r in results]
+    print("\n| date | device | command | what | figure | ratio |\n|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    return {"meta": meta, "results": results}
+
+
+if __name__ == "__main__":
+    main()
