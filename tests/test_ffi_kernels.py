@@ -185,13 +185,15 @@ def test_whole_sequence_sparse_attention_matches_the_reference(dtype):
 # ---------------------------------------------------------------- indexer top-k
 
 
-def _indexer_case(rng, fmt, dtype, t, s, rows):
+def _indexer_case(rng, fmt, dtype, t, pages, epp, rows):
     i, j = 4, 64
     keys = _table(rng, fmt, rows, j, 0, dtype)
     q = jnp.asarray(rng.normal(size=(t, i, j)), dtype)
     w = jnp.asarray(rng.normal(size=(t, i)), jnp.float32)
-    candidate_rows = jnp.asarray(rng.integers(0, rows, size=(t, s)), jnp.int32)
-    return q, w, keys, candidate_rows
+    # Distinct pages per query; page 7 runs past the 30 rows (clipped reads), -1 is unallocated.
+    page_table = np.stack([rng.permutation(8)[:pages] for _ in range(t)]).astype(np.int32)
+    page_table[1, 0] = -1
+    return q, w, keys, jnp.asarray(page_table)
 
 
 @pytest.mark.parametrize("fmt", INDEX_FORMATS)
@@ -199,12 +201,12 @@ def _indexer_case(rng, fmt, dtype, t, s, rows):
 @pytest.mark.parametrize("topk", [3, 16, 40])  # 40 > S: the output keeps min(topk, S) slots
 def test_indexer_topk_paged_matches_the_reference(fmt, dtype, topk):
     rng = np.random.default_rng(topk)
-    t, s = 6, 24
-    q, w, keys, candidate_rows = _indexer_case(rng, fmt, dtype, t, s, rows=30)
-    limit = jnp.asarray([0, 1, 5, 24, 30, 17], jnp.int32)  # none visible, one, some, all, past S
-    want = indexer_ref.indexer_topk_paged(q, w, keys, candidate_rows, limit, topk)
-    got = jax.jit(indexer_ffi.indexer_topk_paged, static_argnums=5)(q, w, keys, candidate_rows, limit, topk)
-    assert got.shape == want.shape == (t, min(topk, s))
+    t, pages, epp = 6, 6, 4
+    q, w, keys, page_table = _indexer_case(rng, fmt, dtype, t, pages, epp, rows=30)
+    limit = jnp.asarray([0, 3, 5, 24, 30, 17], jnp.int32)  # none visible, a few, some, all, past S
+    want = indexer_ref.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+    got = jax.jit(indexer_ffi.indexer_topk_paged, static_argnums=(4, 6))(q, w, keys, page_table, epp, limit, topk)
+    assert got.shape == want.shape == (t, min(topk, pages * epp))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert (np.asarray(got)[0] == -1).all()
 
@@ -213,8 +215,8 @@ def test_indexer_topk_ties_go_to_the_lower_candidate():
     # Negative dots give every candidate a zero score after the ReLU: an all-tie row.
     q = -jnp.ones((1, 2, 32), jnp.float32)
     keys = EntryTable.zeros(4, 32, EntryFormat.DENSE, 0, jnp.float32).write(jnp.arange(4), jnp.ones((4, 32)))
-    rows = jnp.asarray([[3, 2, 1, 0, 2]], jnp.int32)
-    got = indexer_ffi.indexer_topk_paged(q, jnp.ones((1, 2)), keys, rows, jnp.asarray([4]), 3)
+    got = indexer_ffi.indexer_topk_paged(q, jnp.ones((1, 2)), keys, jnp.asarray([[1, 0]], jnp.int32), 2,
+                                         jnp.asarray([3]), 3)
     np.testing.assert_array_equal(np.asarray(got), [[0, 1, 2]])
 
 

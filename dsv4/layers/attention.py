@@ -153,10 +153,8 @@ class Indexer(nnx.Module):
         if cfg.fake_quant:
             q = quant.fake_quant_indexer(q)
         w = self._head_weights(x_TD)
-        candidates = jnp.broadcast_to(jnp.arange(epp * ctx.page_table.shape[1]), (t, epp * ctx.page_table.shape[1]))
-        candidate_rows = ctx.entry_rows(candidates, epp, keys.drop_row)
         limit = jnp.where(ctx.valid, (ctx.positions + 1) // r, 0)
-        return keys, ring, ops.indexer_topk_paged(q, w, keys, candidate_rows, limit, cfg.index_topk)
+        return keys, ring, ops.indexer_topk_paged(q, w, keys, ctx.page_table, epp, limit, cfg.index_topk)
 
     def _head_weights(self, x: jax.Array) -> jax.Array:
         # The score scale is folded into the head weights, so selection is scale-invariant.

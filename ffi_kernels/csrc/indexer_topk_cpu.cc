@@ -1,7 +1,9 @@
 // indexer_topk on the CPU: the twin of dsv4/ops/indexer_topk/reference.py (`indexer_topk_paged`).
 //
-// score[t, s] = sum_i w[t, i] * relu(q[t, i] . k[rows[t, s]]) over the candidates s < limit[t];
-// the best min(topk, S) candidates, best first, ties to the lower s; slots left over are -1.
+// score[t, s] = sum_i w[t, i] * relu(q[t, i] . k[row(t, s)]) over the entries s < limit[t] of
+// query t's request, row(t, s) = page_table[t, s / epp] * epp + s % epp (epp entries per page;
+// an unallocated page reads the last row, as the reference's clipped gather); the best
+// min(topk, S) entries, best first, ties to the lower s; slots left over are -1.
 #include <algorithm>
 #include <vector>
 
@@ -11,8 +13,9 @@ namespace dsv4 {
 namespace {
 
 ffi::Error IndexerTopkImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer key_values,
-                           ffi::AnyBuffer key_scales, ffi::AnyBuffer key_rope, ffi::Buffer<ffi::S32> candidate_rows,
-                           ffi::Buffer<ffi::S32> limit, ffi::Result<ffi::Buffer<ffi::S32>> ids, int32_t block) {
+                           ffi::AnyBuffer key_scales, ffi::AnyBuffer key_rope, ffi::Buffer<ffi::S32> page_table,
+                           ffi::Buffer<ffi::S32> limit, ffi::Result<ffi::Buffer<ffi::S32>> ids, int32_t block,
+                           int32_t entries_per_page) {
   if (auto e = CheckRank(q, 3, "q"); e.failure()) return e;
   const auto q_type = ElemOf(q.element_type());
   if (!q_type || (*q_type != Elem::kF32 && *q_type != Elem::kBf16)) return Invalid("q must be f32 or bf16");
@@ -20,11 +23,12 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::F32> w, ffi::AnyBu
   TableView keys;
   if (auto e = MakeTable(key_values, key_scales, key_rope, block, "keys", &keys); e.failure()) return e;
   if (keys.width() != j_n) return Invalid("key entries must be as wide as q's head dim");
-  const auto wd = w.dimensions(), cd = candidate_rows.dimensions(), od = ids->dimensions();
+  const auto wd = w.dimensions(), pd = page_table.dimensions(), od = ids->dimensions();
   if (wd.size() != 2 || wd[0] != t_n || wd[1] != i_n) return Invalid("w must be [T, I]");
-  if (cd.size() != 2 || cd[0] != t_n) return Invalid("candidate_rows must be [T, S]");
+  if (pd.size() != 2 || pd[0] != t_n) return Invalid("page_table must be [T, P]");
+  if (entries_per_page <= 0) return Invalid("entries_per_page must be positive");
   if (limit.dimensions().size() != 1 || limit.dimensions()[0] != t_n) return Invalid("limit must be [T]");
-  const int64_t s_n = cd[1];
+  const int64_t p_n = pd[1], epp = entries_per_page, s_n = p_n * epp;
   if (od.size() != 2 || od[0] != t_n || od[1] > s_n) return Invalid("ids must be [T, k] with k <= S");
   const int64_t k_n = od[1];
 
@@ -36,7 +40,8 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::F32> w, ffi::AnyBu
     const int64_t visible = keys.rows ? std::clamp<int64_t>(limit.typed_data()[t], 0, s_n) : 0;
     order.resize(visible);
     for (int64_t s = 0; s < visible; ++s) {
-      const int64_t row = std::clamp<int64_t>(candidate_rows.typed_data()[t * s_n + s], 0, keys.rows - 1);
+      const int64_t page = page_table.typed_data()[t * p_n + s / epp];
+      const int64_t row = page >= 0 ? std::min<int64_t>(page * epp + s % epp, keys.rows - 1) : keys.rows - 1;
       for (int64_t j = 0; j < j_n; ++j) key[j] = DecodeEntry(keys, row, j);
       float total = 0.0f;
       for (int64_t i = 0; i < i_n; ++i) {
@@ -67,7 +72,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4IndexerTopkCpu, dsv4::IndexerTopkImpl,
                                   .Arg<xla::ffi::AnyBuffer>()  // key values [Rk, J] (packed e2m1: [Rk, J/2])
                                   .Arg<xla::ffi::AnyBuffer>()  // key scales [Rk, J/block] u8 (or [Rk, 0])
                                   .Arg<xla::ffi::AnyBuffer>()  // key rope [Rk, 0] (indexer keys have none)
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // candidate_rows [T, S]: key row of candidate s
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // page_table [T, P]: the query's request's pages, -1 unallocated
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // limit [T]: candidates s < limit are visible
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // ids [T, min(topk, S)], -1 = none
-                                  .Attr<int32_t>("block"));    // values per scale byte
+                                  .Attr<int32_t>("block")      // values per scale byte
+                                  .Attr<int32_t>("entries_per_page"));  // S = P x entries_per_page

@@ -10,30 +10,34 @@ from dsv4.ops.ffi_tables import check_platform, codec, dense_table, i32, table_p
 from dsv4.state import EntryTable
 
 
-def _call(q_TIJ, w_TI, keys, candidate_rows_TS, limit_T, topk: int, block: int) -> jax.Array:
-    t, s = candidate_rows_TS.shape
-    k = min(topk, s)
+def _call(q_TIJ, w_TI, keys, page_table_TP, entries_per_page: int, limit_T, topk: int, block: int) -> jax.Array:
+    t = q_TIJ.shape[0]
+    k = min(topk, page_table_TP.shape[1] * entries_per_page)
     if k == 0:
         return jnp.zeros((t, 0), jnp.int32)
     check_platform()
     out = jax.ShapeDtypeStruct((t, k), jnp.int32)
     return jax.ffi.ffi_call("dsv4_indexer_topk", out, vmap_method="sequential")(
-        q_TIJ, w_TI.astype(jnp.float32), *keys, candidate_rows_TS.astype(jnp.int32), limit_T.astype(jnp.int32),
-        block=i32(block))
+        q_TIJ, w_TI.astype(jnp.float32), *keys, page_table_TP.astype(jnp.int32), limit_T.astype(jnp.int32),
+        block=i32(block), entries_per_page=i32(entries_per_page))
 
 
-def indexer_topk_paged(q_TIJ: jax.Array, w_TI: jax.Array, keys: EntryTable, candidate_rows_TS: jax.Array,
-                       limit_T: jax.Array, topk: int) -> jax.Array:
+def indexer_topk_paged(q_TIJ: jax.Array, w_TI: jax.Array, keys: EntryTable, page_table_TP: jax.Array,
+                       entries_per_page: int, limit_T: jax.Array, topk: int) -> jax.Array:
     """As `reference.indexer_topk_paged`."""
-    return _call(q_TIJ, w_TI, table_parts(keys), candidate_rows_TS, limit_T, topk, codec(keys.fmt).block)
+    return _call(q_TIJ, w_TI, table_parts(keys), page_table_TP, entries_per_page, limit_T, topk,
+                 codec(keys.fmt).block)
 
 
 def indexer_topk(q_BTIJ: jax.Array, k_BSJ: jax.Array, w_BTI: jax.Array, limit_BT: jax.Array,
                  topk: int) -> jax.Array:
-    """As `reference.indexer_topk`: the keys become one dense table of B x S rows."""
+    """As `reference.indexer_topk`: the keys become one dense table of B x S rows, batch row b
+    one page of S entries."""
     b, t, i, j = q_BTIJ.shape
     s = k_BSJ.shape[1]
-    rows = jnp.broadcast_to((jnp.arange(b) * s)[:, None, None] + jnp.arange(s)[None, None, :], (b, t, s))
+    if min(topk, s) == 0:
+        return jnp.zeros((b, t, 0), jnp.int32)
+    pages = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t)).reshape(b * t, 1)
     ids = _call(q_BTIJ.reshape(b * t, i, j), w_BTI.reshape(b * t, i), dense_table(k_BSJ.reshape(b * s, j)),
-                rows.reshape(b * t, s), limit_BT.reshape(b * t), topk, 1)
+                pages, s, limit_BT.reshape(b * t), topk, 1)
     return ids.reshape(b, t, -1)

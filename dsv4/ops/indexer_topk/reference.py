@@ -9,8 +9,11 @@ broken by the lower entry id (jax.lax.top_k); the official reference leaves them
 unspecified, so tests avoid exact ties.
 
 `indexer_topk` is the whole-sequence form (keys [B, S, J] shared by a row's queries);
-`indexer_topk_paged` the decode-step form (each query's candidate keys are rows of a
-stored table, listed per query in entry order).
+`indexer_topk_paged` the decode-step form: query t's candidates are its request's entries
+0..S-1 (S = P x entries_per_page), entry s stored at row
+page_table[t, s // entries_per_page] * entries_per_page + s % entries_per_page of the key
+table. Passing the page table rather than every candidate's row keeps the operand [T, P]
+instead of [T, S] (a 64k-token chunk would otherwise carry 4 GB of row ids).
 """
 
 from __future__ import annotations
@@ -62,13 +65,22 @@ def indexer_topk(q_BTIJ: jax.Array, k_BSJ: jax.Array, w_BTI: jax.Array, limit_BT
     return _top_visible(indexer_scores(q_BTIJ, k_BSJ, w_BTI), limit_BT, topk)
 
 
-def indexer_topk_paged(q_TIJ: jax.Array, w_TI: jax.Array, keys: EntryTable, candidate_rows_TS: jax.Array,
-                       limit_T: jax.Array, topk: int) -> jax.Array:
-    """Entry ids [T,min(topk,S)] of the step's queries; candidate s of query t is stored at
-    `keys` row candidate_rows[t, s] (only s < limit[t] are read as valid)."""
+def candidate_rows(page_table_TP: jax.Array, entries_per_page: int, drop_row: int) -> jax.Array:
+    """Key-table rows [T, P * entries_per_page] of every entry of each query's request;
+    entries on unallocated pages (-1) give `drop_row`."""
+    s = jnp.arange(page_table_TP.shape[1] * entries_per_page)
+    page = page_table_TP[:, s // entries_per_page]
+    return jnp.where(page >= 0, page * entries_per_page + s % entries_per_page, drop_row)
+
+
+def indexer_topk_paged(q_TIJ: jax.Array, w_TI: jax.Array, keys: EntryTable, page_table_TP: jax.Array,
+                       entries_per_page: int, limit_T: jax.Array, topk: int) -> jax.Array:
+    """Entry ids [T, min(topk, S)] of the step's queries, S = P x entries_per_page; only
+    entries s < limit[t] are visible to query t."""
 
     def tile(args):
-        q, w, rows, limit = args
+        q, w, pages, limit = args
+        rows = candidate_rows(pages, entries_per_page, keys.drop_row)
         return _top_visible(_scores(q, keys.gather(rows), w), limit, topk)
 
-    return map_in_tiles(tile, (q_TIJ, w_TI, candidate_rows_TS, limit_T), QUERY_TILE)
+    return map_in_tiles(tile, (q_TIJ, w_TI, page_table_TP, limit_T), QUERY_TILE)
