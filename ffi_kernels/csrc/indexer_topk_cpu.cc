@@ -14,8 +14,8 @@ namespace {
 
 ffi::Error IndexerTopkImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer key_values,
                            ffi::AnyBuffer key_scales, ffi::AnyBuffer key_rope, ffi::Buffer<ffi::S32> page_table,
-                           ffi::Buffer<ffi::S32> limit, ffi::Result<ffi::Buffer<ffi::S32>> ids, int32_t block,
-                           int32_t entries_per_page) {
+                           ffi::Buffer<ffi::S32> limit, ffi::Result<ffi::Buffer<ffi::S32>> ids,
+                           ffi::Result<ffi::Buffer<ffi::F32>> scores, int32_t block, int32_t entries_per_page) {
   if (auto e = CheckRank(q, 3, "q"); e.failure()) return e;
   const auto q_type = ElemOf(q.element_type());
   if (!q_type || (*q_type != Elem::kF32 && *q_type != Elem::kBf16)) return Invalid("q must be f32 or bf16");
@@ -31,12 +31,15 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::F32> w, ffi::AnyBu
   const int64_t p_n = pd[1], epp = entries_per_page, s_n = p_n * epp;
   if (od.size() != 2 || od[0] != t_n || od[1] > s_n) return Invalid("ids must be [T, k] with k <= S");
   const int64_t k_n = od[1];
+  const auto sd = scores->dimensions();
+  if (sd.size() != 2 || sd[0] != t_n || sd[1] != s_n) return Invalid("scores scratch must be [T, S]");
 
-  std::vector<float> q_t(i_n * j_n), key(j_n), score(s_n);
+  std::vector<float> q_t(i_n * j_n), key(j_n);
   std::vector<int32_t> order;
   for (int64_t t = 0; t < t_n; ++t) {
     for (int64_t e = 0; e < i_n * j_n; ++e) q_t[e] = LoadElem(q.untyped_data(), *q_type, t * i_n * j_n + e);
     const float* w_t = w.typed_data() + t * i_n;
+    float* score = scores->typed_data() + t * s_n;
     const int64_t visible = keys.rows ? std::clamp<int64_t>(limit.typed_data()[t], 0, s_n) : 0;
     order.resize(visible);
     for (int64_t s = 0; s < visible; ++s) {
@@ -75,5 +78,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4IndexerTopkCpu, dsv4::IndexerTopkImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // page_table [T, P]: the query's request's pages, -1 unallocated
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // limit [T]: candidates s < limit are visible
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // ids [T, min(topk, S)], -1 = none
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // scores [T, S]: scratch, contents unspecified
                                   .Attr<int32_t>("block")      // values per scale byte
                                   .Attr<int32_t>("entries_per_page"));  // S = P x entries_per_page

@@ -16,10 +16,13 @@ def _call(q_TIJ, w_TI, keys, page_table_TP, entries_per_page: int, limit_T, topk
     if k == 0:
         return jnp.zeros((t, 0), jnp.int32)
     check_platform()
-    out = jax.ShapeDtypeStruct((t, k), jnp.int32)
-    return jax.ffi.ffi_call("dsv4_indexer_topk", out, vmap_method="sequential")(
+    # The second result is the kernels' score scratch [T, S] (the score row of each query).
+    out = (jax.ShapeDtypeStruct((t, k), jnp.int32),
+           jax.ShapeDtypeStruct((t, page_table_TP.shape[1] * entries_per_page), jnp.float32))
+    ids, _ = jax.ffi.ffi_call("dsv4_indexer_topk", out, vmap_method="sequential")(
         q_TIJ, w_TI.astype(jnp.float32), *keys, page_table_TP.astype(jnp.int32), limit_T.astype(jnp.int32),
         block=i32(block), entries_per_page=i32(entries_per_page))
+    return ids
 
 
 def indexer_topk_paged(q_TIJ: jax.Array, w_TI: jax.Array, keys: EntryTable, page_table_TP: jax.Array,

@@ -1,0 +1,226 @@
+// indexer_topk on CUDA: the twin of dsv4/ops/indexer_topk/reference.py and of
+// indexer_topk_cpu.cc (same arguments, same semantics).
+//
+// One block per query. (1) One warp per visible candidate computes its score into the query's
+// row of the `scores` scratch result. (2) A radix select over the scores' order-preserving bit
+// patterns (4 passes of 8 bits) finds the k-th largest. (3) Every candidate above it is kept,
+// and of those equal to it the lowest-numbered ones, in candidate order. (4) A bitonic sort
+// orders the kept ones by (score desc, candidate asc), the reference's order. Correctness
+// first: the fused version that never writes the score row to HBM is the next step.
+#include <cuda_runtime.h>
+
+#include <climits>
+
+#include "cuda_common.h"
+
+namespace dsv4 {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxTopk = 2048;
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxSmemBytes = 40 * 1024;
+
+// Larger float -> larger key; -0 and +0 share a key (they tie in the reference).
+__device__ __forceinline__ uint32_t OrderKey(float v) {
+  const uint32_t b = FloatToBits(v == 0.0f ? 0.0f : v);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ bool Before(float sa, int32_t ia, float sb, int32_t ib) {
+  return sa > sb || (sa == sb && ia < ib);
+}
+
+__global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, TableView keys, const int32_t* page_table,
+                                  int64_t p_n, int64_t epp, const int32_t* limit, float* scores, int32_t* ids,
+                                  int64_t i_n, int64_t j_n, int64_t k_n) {
+  extern __shared__ unsigned char smem[];
+  __shared__ uint32_t hist[256];
+  __shared__ uint32_t prefix, want_mask, remaining, n_above, n_equal_taken;
+  __shared__ uint32_t warp_counts[kWarps];
+  const int64_t t = blockIdx.x, s_n = p_n * epp;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t visible = keys.rows ? min(max(static_cast<int64_t>(limit[t]), int64_t{0}), s_n) : 0;
+  const int64_t kept = min(k_n, visible);
+  float* row_scores = scores + t * s_n;
+
+  // (1) scores; q staged in shared memory in f32.
+  float* q_s = reinterpret_cast<float*>(smem);
+  for (int64_t e = threadIdx.x; e < i_n * j_n; e += kThreads) q_s[e] = LoadElem(q, q_type, t * i_n * j_n + e);
+  __syncthreads();
+  for (int64_t s = warp; s < visible; s += kWarps) {
+    const int64_t page = page_table[t * p_n + s / epp];
+    const int64_t row = page >= 0 ? min(page * epp + s % epp, keys.rows - 1) : keys.rows - 1;
+    float k_r[kMaxHeadDim / 32];
+#pragma unroll
+    for (int u = 0; u < kMaxHeadDim / 32; ++u) {
+      const int64_t j = lane + 32 * u;
+      k_r[u] = j < j_n ? DecodeEntry(keys, row, j) : 0.0f;
+    }
+    float total = 0.0f;
+    for (int64_t i = 0; i < i_n; ++i) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int u = 0; u < kMaxHeadDim / 32; ++u) {
+        const int64_t j = lane + 32 * u;
+        if (j < j_n) dot += q_s[i * j_n + j] * k_r[u];
+      }
+      total += w[t * i_n + i] * fmaxf(WarpSum(dot), 0.0f);
+    }
+    if (lane == 0) row_scores[s] = total;
+  }
+  __syncthreads();
+
+  // (2) radix select: the key of the kept-th largest score.
+  if (threadIdx.x == 0) {
+    prefix = 0;
+    want_mask = 0;
+    remaining = static_cast<uint32_t>(kept);
+  }
+  __syncthreads();
+  for (int shift = 24; kept > 0 && shift >= 0; shift -= 8) {
+    for (int b = threadIdx.x; b < 256; b += kThreads) hist[b] = 0;
+    __syncthreads();
+    for (int64_t s = threadIdx.x; s < visible; s += kThreads) {
+      const uint32_t key = OrderKey(row_scores[s]);
+      if ((key & want_mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xffu], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint32_t above = 0;
+      for (int b = 255; b >= 0; --b) {
+        if (above + hist[b] >= remaining) {
+          prefix |= static_cast<uint32_t>(b) << shift;
+          want_mask |= 0xffu << shift;
+          remaining -= above;
+          break;
+        }
+        above += hist[b];
+      }
+    }
+    __syncthreads();
+  }
+  const uint32_t threshold = prefix;  // the key of the kept-th largest; `remaining` of its equals are kept
+
+  // (3) collect into shared memory (the q region is free now).
+  float* sel_score = reinterpret_cast<float*>(smem);
+  int32_t* sel_id = reinterpret_cast<int32_t*>(smem + kMaxTopk * sizeof(float));
+  if (threadIdx.x == 0) {
+    n_above = 0;
+    n_equal_taken = 0;
+  }
+  __syncthreads();
+  for (int64_t s = threadIdx.x; kept > 0 && s < visible; s += kThreads) {
+    const uint32_t key = OrderKey(row_scores[s]);
+    if (key > threshold) {
+      const uint32_t at = atomicAdd(&n_above, 1u);
+      sel_score[at] = row_scores[s];
+      sel_id[at] = static_cast<int32_t>(s);
+    }
+  }
+  __syncthreads();
+  // Equal to the threshold: the lowest-numbered `remaining`, chunk by chunk in candidate order.
+  for (int64_t base = 0; kept > 0 && base < visible; base += kThreads) {
+    const int64_t s = base + threadIdx.x;
+    const bool eq = s < visible && OrderKey(row_scores[s]) == threshold;
+    const uint32_t ballot = __ballot_sync(0xffffffffu, eq);
+    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    uint32_t before = n_equal_taken;
+    for (int v = 0; v < warp; ++v) before += warp_counts[v];
+    before += __popc(ballot & ((1u << lane) - 1u));
+    if (eq && before < remaining) {
+      const uint32_t at = n_above + before;
+      sel_score[at] = row_scores[s];
+      sel_id[at] = static_cast<int32_t>(s);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int v = 0; v < kWarps; ++v) n_equal_taken += warp_counts[v];
+    }
+    __syncthreads();
+  }
+
+  // (4) bitonic sort of the kept entries (padded to a power of two with entries that sort last).
+  int n_sort = 1;
+  while (n_sort < kept) n_sort <<= 1;
+  for (int e = static_cast<int>(kept) + threadIdx.x; e < n_sort; e += kThreads) {
+    sel_score[e] = -INFINITY;
+    sel_id[e] = INT_MAX;
+  }
+  __syncthreads();
+  for (int size = 2; size <= n_sort; size <<= 1) {
+    for (int stride = size / 2; stride > 0; stride >>= 1) {
+      for (int e = threadIdx.x; e < n_sort; e += kThreads) {
+        const int partner = e ^ stride;
+        if (partner > e) {
+          const bool ascending = (e & size) == 0;  // "ascending" = in the output order
+          const bool swap = ascending ? Before(sel_score[partner], sel_id[partner], sel_score[e], sel_id[e])
+                                      : Before(sel_score[e], sel_id[e], sel_score[partner], sel_id[partner]);
+          if (swap) {
+            const float ts = sel_score[e];
+            const int32_t ti = sel_id[e];
+            sel_score[e] = sel_score[partner];
+            sel_id[e] = sel_id[partner];
+            sel_score[partner] = ts;
+            sel_id[partner] = ti;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  for (int64_t k = threadIdx.x; k < k_n; k += kThreads) ids[t * k_n + k] = k < kept ? sel_id[k] : -1;
+}
+
+ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer key_values,
+                           ffi::AnyBuffer key_scales, ffi::AnyBuffer key_rope, ffi::Buffer<ffi::S32> page_table,
+                           ffi::Buffer<ffi::S32> limit, ffi::Result<ffi::Buffer<ffi::S32>> ids,
+                           ffi::Result<ffi::Buffer<ffi::F32>> scores, int32_t block, int32_t entries_per_page) {
+  if (auto e = CheckRank(q, 3, "q"); e.failure()) return e;
+  const auto q_type = ElemOf(q.element_type());
+  if (!q_type || (*q_type != Elem::kF32 && *q_type != Elem::kBf16)) return Invalid("q must be f32 or bf16");
+  const int64_t t_n = Dim(q, 0), i_n = Dim(q, 1), j_n = Dim(q, 2);
+  TableView keys;
+  if (auto e = MakeTable(key_values, key_scales, key_rope, block, "keys", &keys); e.failure()) return e;
+  if (keys.width() != j_n) return Invalid("key entries must be as wide as q's head dim");
+  const auto wd = w.dimensions(), pd = page_table.dimensions(), od = ids->dimensions();
+  if (wd.size() != 2 || wd[0] != t_n || wd[1] != i_n) return Invalid("w must be [T, I]");
+  if (pd.size() != 2 || pd[0] != t_n) return Invalid("page_table must be [T, P]");
+  if (entries_per_page <= 0) return Invalid("entries_per_page must be positive");
+  if (limit.dimensions().size() != 1 || limit.dimensions()[0] != t_n) return Invalid("limit must be [T]");
+  const int64_t p_n = pd[1], s_n = p_n * entries_per_page;
+  if (od.size() != 2 || od[0] != t_n || od[1] > s_n) return Invalid("ids must be [T, k] with k <= S");
+  if (od[1] > kMaxTopk) return Invalid("the CUDA kernel keeps at most 2048 entries per query");
+  const auto sd = scores->dimensions();
+  if (sd.size() != 2 || sd[0] != t_n || sd[1] != s_n) return Invalid("scores scratch must be [T, S]");
+  if (j_n > kMaxHeadDim) return Invalid("indexer head dim above 256 is not supported by the CUDA kernel");
+  const size_t smem = std::max<size_t>(i_n * j_n * sizeof(float), kMaxTopk * (sizeof(float) + sizeof(int32_t)));
+  if (smem > kMaxSmemBytes) return Invalid("indexer heads x head dim exceed the CUDA kernel's shared memory");
+  if (t_n == 0 || od[1] == 0) return ffi::Error::Success();
+  IndexerTopkKernel<<<static_cast<unsigned>(t_n), kThreads, smem, stream>>>(
+      q.untyped_data(), *q_type, w.typed_data(), keys, page_table.typed_data(), p_n, entries_per_page,
+      limit.typed_data(), scores->typed_data(), ids->typed_data(), i_n, j_n, od[1]);
+  return LastCudaError("IndexerTopkKernel");
+}
+
+}  // namespace
+}  // namespace dsv4
+
+// The arguments are those of Dsv4IndexerTopkCpu (indexer_topk_cpu.cc), after the stream.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4IndexerTopkCuda, dsv4::IndexerTopkCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // q
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w
+                                  .Arg<xla::ffi::AnyBuffer>()  // key values
+                                  .Arg<xla::ffi::AnyBuffer>()  // key scales
+                                  .Arg<xla::ffi::AnyBuffer>()  // key rope
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // page_table
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // limit
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // ids
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // scores scratch [T, S]
+                                  .Attr<int32_t>("block")
+                                  .Attr<int32_t>("entries_per_page"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,92 @@
+// kv_write on CUDA: the twin of dsv4/ops/kv_write/reference.py and of kv_write_cpu.cc.
+//
+// One block per new entry: thread b quantises scale block b of the row (a block of the KV
+// format is 64 values, of the indexer's 32: whole bytes of packed e2m1, so no two threads
+// share a byte), then the threads store the remaining columns. The table parts are aliased to
+// the results; XLA gives the same buffers, and a copy is made on the stream when it does not.
+#include <cuda_runtime.h>
+
+#include "cuda_common.h"
+#include "kv_write.h"
+
+namespace dsv4 {
+namespace {
+
+constexpr int kThreads = 128;
+
+__global__ void KvWriteKernel(WritableTable t, const int32_t* rows, const void* x, Elem x_type, int64_t width,
+                              Grid grid, int64_t quant_width, int64_t block) {
+  const int64_t i = blockIdx.x;
+  const int64_t row = rows[i];
+  if (row < 0 || row >= t.rows) return;  // padding and dropped writes
+  const int64_t n_blocks = quant_width ? (quant_width + block - 1) / block : 0;
+  for (int64_t b = threadIdx.x; b < n_blocks; b += kThreads) {
+    WriteQuantBlock(t, row, x, x_type, i * width, grid, quant_width, block, b);
+  }
+  for (int64_t k = quant_width + threadIdx.x; k < width; k += kThreads) WritePlainColumn(t, row, x, x_type, i * width, k);
+}
+
+ffi::Error CopyIfNotAliased(cudaStream_t stream, const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
+  if (in.untyped_data() == out->untyped_data() || in.size_bytes() == 0) return ffi::Error::Success();
+  if (cudaMemcpyAsync(out->untyped_data(), in.untyped_data(), in.size_bytes(), cudaMemcpyDeviceToDevice, stream) !=
+      cudaSuccess) {
+    return LastCudaError("kv_write copy");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error KvWriteCuda(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuffer scales, ffi::AnyBuffer rope,
+                       ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> values_out,
+                       ffi::Result<ffi::AnyBuffer> scales_out, ffi::Result<ffi::AnyBuffer> rope_out, int32_t grid_attr,
+                       int32_t quant_width, int32_t block) {
+  TableView view;
+  if (auto e = MakeTable(values, scales, rope, block, "table", &view); e.failure()) return e;
+  const Grid grid = static_cast<Grid>(grid_attr);
+  if (auto e = CheckRank(x, 2, "new entries"); e.failure()) return e;
+  const auto x_type = ElemOf(x.element_type());
+  if (!x_type || (*x_type != Elem::kF32 && *x_type != Elem::kBf16)) return Invalid("new entries must be f32 or bf16");
+  const int64_t n = Dim(x, 0), width = Dim(x, 1);
+  if (width != view.width()) return Invalid("new entries must be as wide as the table's entries");
+  if (rows.dimensions().size() != 1 || rows.dimensions()[0] != n) return Invalid("rows must be [n]");
+  if (quant_width < 0 || quant_width > view.values_width) return Invalid("quant_width exceeds the values part");
+  const bool coded = view.values_type == Elem::kE4m3 || view.values_type == Elem::kE2m1x2;
+  if (coded && (grid == Grid::kNone || quant_width != view.values_width)) {
+    return Invalid("fp8/fp4 values need a grid over the whole values part");
+  }
+  if (grid != Grid::kNone && (quant_width == 0 || block <= 0 || block % 2)) {
+    return Invalid("a grid needs quant_width and an even block");
+  }
+  if (view.scales_width && view.scales_width != (quant_width + block - 1) / block) {
+    return Invalid("scales must hold one byte per block of the quantised columns");
+  }
+  if (auto e = CopyIfNotAliased(stream, values, values_out); e.failure()) return e;
+  if (auto e = CopyIfNotAliased(stream, scales, scales_out); e.failure()) return e;
+  if (auto e = CopyIfNotAliased(stream, rope, rope_out); e.failure()) return e;
+  if (n == 0) return ffi::Error::Success();
+  const WritableTable t{values_out->untyped_data(), view.values_type, view.values_width,
+                        static_cast<uint8_t*>(scales_out->untyped_data()), view.scales_width,
+                        rope_out->untyped_data(), view.rope_type, view.rope_width, view.rows};
+  KvWriteKernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(
+      t, rows.typed_data(), x.untyped_data(), *x_type, width, grid, grid == Grid::kNone ? 0 : quant_width, block);
+  return LastCudaError("KvWriteKernel");
+}
+
+}  // namespace
+}  // namespace dsv4
+
+// The arguments are those of Dsv4KvWriteCpu (kv_write_cpu.cc), after the stream.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4KvWriteCuda, dsv4::KvWriteCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // table values
+                                  .Arg<xla::ffi::AnyBuffer>()  // table scales
+                                  .Arg<xla::ffi::AnyBuffer>()  // table rope
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // rows
+                                  .Arg<xla::ffi::AnyBuffer>()  // new entries
+                                  .Ret<xla::ffi::AnyBuffer>()  // table values'
+                                  .Ret<xla::ffi::AnyBuffer>()  // table scales'
+                                  .Ret<xla::ffi::AnyBuffer>()  // table rope'
+                                  .Attr<int32_t>("grid")
+                                  .Attr<int32_t>("quant_width")
+                                  .Attr<int32_t>("block"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
