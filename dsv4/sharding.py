@@ -242,9 +242,19 @@ class Placement:
     def shard_ops(self, ops: OpSet) -> OpSet:
         """`ops` with the routed experts and the embedding lookup run shard-locally (see the
         module docstring); unchanged where their axis is absent, of size 1, or does not divide
-        the experts / vocabulary (those weights then stay replicated)."""
-        return dataclasses.replace(ops, moe_experts=self._local_moe(ops.moe_experts),
-                                   embedding=self._local_embedding(ops.embedding))
+        the experts / vocabulary (those weights then stay replicated). Custom-call ops (FFI)
+        run in shard_map too: attention on each device's own heads, the indexer and the
+        table writes replicated (the indexer's top-k needs the sum over all its heads, and
+        MQA tables are replicated over `tensor` anyway)."""
+        ops = dataclasses.replace(ops, moe_experts=self._local_moe(ops.moe_experts),
+                                  embedding=self._local_embedding(ops.embedding))
+        if not ops.custom_calls:
+            return ops
+        return dataclasses.replace(
+            ops, sparse_attention=self._local_heads(ops.sparse_attention, head_dim=2),
+            sparse_attention_paged=self._local_heads(ops.sparse_attention_paged, head_dim=1),
+            indexer_topk=self._replicated(ops.indexer_topk), indexer_topk_paged=self._replicated(ops.indexer_topk_paged),
+            table_write=self._replicated(ops.table_write))
 
     def _axis(self, logical: str) -> str | None:
         axis = self.rules.get(logical)
@@ -293,6 +303,45 @@ class Placement:
 
             return shard_map(local, self.mesh, (PartitionSpec(axis, None), PartitionSpec()),
                              PartitionSpec())(table_VD, ids)
+
+        return sharded
+
+
+    def _local_heads(self, attention: Callable, head_dim: int) -> Callable:
+        """A sparse-attention op (q first, sink second to last, scale last; heads on q's axis
+        `head_dim`) run on each device's own heads, every other input replicated."""
+        axis = self._axis(HEADS)
+
+        def sharded(q, *rest):
+            *tables, sink, scale = rest
+            leaves, tree = jax.tree_util.tree_flatten(tables)
+            split = axis is not None and q.shape[head_dim] % self.mesh_shape[axis] == 0
+            heads = PartitionSpec(*[axis if d == head_dim and split else None for d in range(q.ndim)])
+
+            def local(q, sink, *leaves):
+                return attention(q, *jax.tree_util.tree_unflatten(tree, leaves), sink, scale)
+
+            specs = (heads, PartitionSpec(axis if split else None)) + (PartitionSpec(),) * len(leaves)
+            return shard_map(local, self.mesh, specs, heads)(q, sink, *leaves)
+
+        return sharded
+
+    def _replicated(self, op: Callable) -> Callable:
+        """`op` run whole on every device: array arguments (any pytree) gathered, the rest static."""
+
+        def sharded(*args):
+            leaves, tree = jax.tree_util.tree_flatten(args)
+            arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+
+            def local(*values):
+                full = list(leaves)
+                for i, v in zip(arrays, values):
+                    full[i] = v
+                return op(*jax.tree_util.tree_unflatten(tree, full))
+
+            values = [leaves[i] for i in arrays]
+            out_specs = jax.tree_util.tree_map(lambda _: PartitionSpec(), jax.eval_shape(local, *values))
+            return shard_map(local, self.mesh, (PartitionSpec(),) * len(arrays), out_specs)(*values)
 
         return sharded
 

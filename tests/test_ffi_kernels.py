@@ -300,3 +300,26 @@ def test_generate_with_backend_ffi_gives_the_reference_tokens(tiny_pair):
     want = tiny_pair["reference"].generate(prompts, 12, max_num_seqs=2, max_num_batched_tokens=32)
     got = tiny_pair["ffi"].generate(prompts, 12, max_num_seqs=2, max_num_batched_tokens=32)
     assert got == want
+
+
+@pytest.mark.parametrize("deployment, sizes", [("tp", (4,)), ("dp_tp", (2, 2))])
+def test_backend_ffi_on_a_mesh_runs_shard_locally_and_generates_like_one_device(tmp_path, deployment, sizes):
+    import dsv4
+    from checkpoints.testing import write_tiny_checkpoint
+    from dsv4 import sharding as sh
+    from tests.test_sharding import SHARDABLE_TINY
+    from tests.tolerances import REL
+
+    write_tiny_checkpoint(SHARDABLE_TINY, tmp_path, seed=5)
+    placement = sh.Placement(sh.make_mesh(sh.Deployment(deployment), sizes), sh.Deployment(deployment))
+    local = placement.shard_ops(ops_for("ffi"))
+    assert local.sparse_attention_paged is not attn_ffi.sparse_attention_paged  # wrapped in shard_map
+    assert placement.shard_ops(ops_for("reference")).sparse_attention_paged is attn_ref.sparse_attention_paged
+    plain = dsv4.load_pretrained(tmp_path, dtype="float32")
+    sharded = dsv4.load_pretrained(tmp_path, dtype="float32", placement=placement, backend="ffi")
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8], [5] * 20]
+    kw = dict(max_num_seqs=2, max_num_batched_tokens=16)
+    assert sharded.generate(prompts, 6, **kw) == plain.generate(prompts, 6, **kw)
+    want = np.asarray(plain.logits([prompts[0]]))
+    err = np.max(np.abs(np.asarray(sharded.logits([prompts[0]])) - want)) / np.max(np.abs(want))
+    assert err <= REL[np.dtype(np.float32)], err

@@ -39,6 +39,9 @@ class OpSet:
     moe_experts: Callable  # (x [T, D], sel [T, K], w [T, K], w1, w3, w2: ExpertStack, limit) -> f32 [T, D]
     table_write: Callable = kv_write_ref.table_write  # (EntryTable, rows [n], values [n, W]) -> EntryTable
     embedding: Callable = embedding_rows  # (table [V, D], ids) -> [*ids.shape, D]
+    # The attention, indexer and write ops are custom calls that XLA's partitioner cannot split:
+    # on a mesh `Placement.shard_ops` runs them in shard_map (heads per device, the rest replicated).
+    custom_calls: bool = False
 
 
 _REGISTRY: dict[Backend, OpSet] = {
@@ -66,6 +69,7 @@ def _ffi_ops() -> OpSet:
         indexer_topk_paged=indexer_ffi.indexer_topk_paged,
         moe_experts=moe_ref.moe_experts,
         table_write=kv_write_ffi.table_write,
+        custom_calls=True,
     )
 
 
