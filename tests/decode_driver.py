@@ -51,3 +51,19 @@ def pages_for(slot: int, geometry: StateGeometry) -> list[int]:
     """A disjoint page range per slot (all of a request's pages allocated up front)."""
     n = geometry.max_pages_per_seq
     return list(range(slot * n, (slot + 1) * n))
+
+
+# Prefill chunks, single decode steps and a chunk that crosses CSA and HCA windows, for two requests.
+MIXED_SCHEDULE = [(0, 20), (20, 1), (21, 9), (30, 30), (60, 1), (61, 14)]
+
+
+def run_schedule(driver: Driver, seqs: list[np.ndarray], schedule: list[tuple[int, int]]) -> list[np.ndarray]:
+    """Feed request i (slot i) its tokens [start, start + n) per step of `schedule`, all requests
+    in one step; per request, the logits [len, V] of every position it was fed."""
+    got: list[list[np.ndarray]] = [[] for _ in seqs]
+    for start, n in schedule:
+        chunks = [Chunk(slot=i, start=start, tokens=s[start:start + n].tolist(), pages=pages_for(i, driver.geometry),
+                        outputs=list(range(len(s[start:start + n])))) for i, s in enumerate(seqs) if start < len(s)]
+        for c, logits in zip(chunks, driver.run(chunks)):
+            got[c.slot].append(logits)
+    return [np.concatenate(g) for g in got]

@@ -254,22 +254,16 @@ def tiny_pair(tmp_path_factory):
 def _step_logits(model, kv, idx, seqs):
     import math
 
-    from dsv4.batch import Bucket, Chunk
+    from dsv4.batch import Bucket
     from dsv4.state import StateGeometry
-    from tests.decode_driver import Driver, pages_for
+    from tests.decode_driver import MIXED_SCHEDULE, Driver, run_schedule
 
     page, max_len = 16, 128
     per_seq = math.ceil(max_len / page)
     geometry = StateGeometry(num_slots=2, num_pages=2 * per_seq, page_tokens=page, max_pages_per_seq=per_seq,
                              max_spec_tokens=2, dtype=jnp.float32, kv_format=kv, index_format=idx)
     driver = Driver(model, geometry, Bucket(tokens=64, requests=2, outputs=64))
-    got = [[], []]
-    for start, n in [(0, 20), (20, 1), (21, 9), (30, 30), (60, 1), (61, 14)]:
-        chunks = [Chunk(slot=i, start=start, tokens=s[start:start + n].tolist(), pages=pages_for(i, geometry),
-                        outputs=list(range(len(s[start:start + n])))) for i, s in enumerate(seqs) if start < len(s)]
-        for c, logits in zip(chunks, driver.run(chunks)):
-            got[c.slot].append(logits)
-    return [np.concatenate(g) for g in got], driver.state
+    return run_schedule(driver, seqs, MIXED_SCHEDULE), driver.state
 
 
 def test_the_model_with_backend_ffi_gives_the_reference_logits(tiny_pair):

@@ -20,7 +20,7 @@ from dsv4.config import TINY
 from dsv4.ops.registry import Backend, ops_for
 from dsv4.state import IndexKeyFormat, KVFormat, StateGeometry
 from dsv4.step import CompilePolicy, RecompilationError, StepRunner, make_buckets
-from tests.decode_driver import Driver, pages_for
+from tests.decode_driver import MIXED_SCHEDULE, Driver, pages_for, run_schedule
 from tests.tolerances import REL
 
 _MODELS: dict = {}
@@ -203,13 +203,7 @@ def test_fp8_kv_and_packed_indexer_keys_reproduce_the_fake_quant_model(tmp_path_
                     (KVFormat.FP8, IndexKeyFormat.FP8)]:
         geometry = _geometry(model, kv_format=kv, index_format=idx)
         driver = Driver(model, geometry, Bucket(tokens=64, requests=2, outputs=64))
-        got = [[], []]
-        for start, n in [(0, 20), (20, 1), (21, 9), (30, 30), (60, 1), (61, 14)]:
-            chunks = [Chunk(slot=i, start=start, tokens=s[start:start + n].tolist(), pages=pages_for(i, geometry),
-                            outputs=list(range(len(s[start:start + n])))) for i, s in enumerate(seqs) if start < len(s)]
-            for c, logits in zip(chunks, driver.run(chunks)):
-                got[c.slot].append(logits)
-        results[(kv, idx)] = [np.concatenate(g) for g in got]
+        results[(kv, idx)] = run_schedule(driver, seqs, MIXED_SCHEDULE)
     dense = results[(KVFormat.DENSE, IndexKeyFormat.DENSE)]
     for key, packed in results.items():
         for a, b in zip(dense, packed):

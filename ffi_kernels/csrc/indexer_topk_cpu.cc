@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "ffi_args.h"
+#include "op_args.h"
 
 namespace dsv4 {
 namespace {
@@ -16,28 +16,19 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::F32> w, ffi::AnyBu
                            ffi::AnyBuffer key_scales, ffi::AnyBuffer key_rope, ffi::Buffer<ffi::S32> page_table,
                            ffi::Buffer<ffi::S32> limit, ffi::Result<ffi::Buffer<ffi::S32>> ids,
                            ffi::Result<ffi::Buffer<ffi::F32>> scores, int32_t block, int32_t entries_per_page) {
-  if (auto e = CheckRank(q, 3, "q"); e.failure()) return e;
-  const auto q_type = ElemOf(q.element_type());
-  if (!q_type || (*q_type != Elem::kF32 && *q_type != Elem::kBf16)) return Invalid("q must be f32 or bf16");
-  const int64_t t_n = Dim(q, 0), i_n = Dim(q, 1), j_n = Dim(q, 2);
-  TableView keys;
-  if (auto e = MakeTable(key_values, key_scales, key_rope, block, "keys", &keys); e.failure()) return e;
-  if (keys.width() != j_n) return Invalid("key entries must be as wide as q's head dim");
-  const auto wd = w.dimensions(), pd = page_table.dimensions(), od = ids->dimensions();
-  if (wd.size() != 2 || wd[0] != t_n || wd[1] != i_n) return Invalid("w must be [T, I]");
-  if (pd.size() != 2 || pd[0] != t_n) return Invalid("page_table must be [T, P]");
-  if (entries_per_page <= 0) return Invalid("entries_per_page must be positive");
-  if (limit.dimensions().size() != 1 || limit.dimensions()[0] != t_n) return Invalid("limit must be [T]");
-  const int64_t p_n = pd[1], epp = entries_per_page, s_n = p_n * epp;
-  if (od.size() != 2 || od[0] != t_n || od[1] > s_n) return Invalid("ids must be [T, k] with k <= S");
-  const int64_t k_n = od[1];
-  const auto sd = scores->dimensions();
-  if (sd.size() != 2 || sd[0] != t_n || sd[1] != s_n) return Invalid("scores scratch must be [T, S]");
+  IndexerArgs a;
+  if (auto e = ParseIndexer(q, w, {key_values, key_scales, key_rope}, page_table, limit, ids->dimensions(),
+                            scores->dimensions(), block, entries_per_page, &a);
+      e.failure()) {
+    return e;
+  }
+  const int64_t t_n = a.t, i_n = a.i, j_n = a.j, p_n = a.p, epp = a.epp, s_n = a.s, k_n = a.k;
+  const TableView& keys = a.keys;
 
   std::vector<float> q_t(i_n * j_n), key(j_n);
   std::vector<int32_t> order;
   for (int64_t t = 0; t < t_n; ++t) {
-    for (int64_t e = 0; e < i_n * j_n; ++e) q_t[e] = LoadElem(q.untyped_data(), *q_type, t * i_n * j_n + e);
+    for (int64_t e = 0; e < i_n * j_n; ++e) q_t[e] = LoadElem(q.untyped_data(), a.q_type, t * i_n * j_n + e);
     const float* w_t = w.typed_data() + t * i_n;
     float* score = scores->typed_data() + t * s_n;
     const int64_t visible = keys.rows ? std::clamp<int64_t>(limit.typed_data()[t], 0, s_n) : 0;
@@ -56,8 +47,8 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::F32> w, ffi::AnyBu
       order[s] = static_cast<int32_t>(s);
     }
     const int64_t kept = std::min(k_n, visible);
-    std::partial_sort(order.begin(), order.begin() + kept, order.end(), [&](int32_t a, int32_t b) {
-      return score[a] > score[b] || (score[a] == score[b] && a < b);
+    std::partial_sort(order.begin(), order.begin() + kept, order.end(), [&](int32_t x, int32_t y) {
+      return score[x] > score[y] || (score[x] == score[y] && x < y);
     });
     int32_t* out = ids->typed_data() + t * k_n;
     for (int64_t k = 0; k < k_n; ++k) out[k] = k < kept ? order[k] : -1;

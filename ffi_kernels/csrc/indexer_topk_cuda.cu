@@ -12,6 +12,7 @@
 #include <climits>
 
 #include "cuda_common.h"
+#include "op_args.h"
 
 namespace dsv4 {
 namespace {
@@ -178,30 +179,20 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
                            ffi::AnyBuffer key_scales, ffi::AnyBuffer key_rope, ffi::Buffer<ffi::S32> page_table,
                            ffi::Buffer<ffi::S32> limit, ffi::Result<ffi::Buffer<ffi::S32>> ids,
                            ffi::Result<ffi::Buffer<ffi::F32>> scores, int32_t block, int32_t entries_per_page) {
-  if (auto e = CheckRank(q, 3, "q"); e.failure()) return e;
-  const auto q_type = ElemOf(q.element_type());
-  if (!q_type || (*q_type != Elem::kF32 && *q_type != Elem::kBf16)) return Invalid("q must be f32 or bf16");
-  const int64_t t_n = Dim(q, 0), i_n = Dim(q, 1), j_n = Dim(q, 2);
-  TableView keys;
-  if (auto e = MakeTable(key_values, key_scales, key_rope, block, "keys", &keys); e.failure()) return e;
-  if (keys.width() != j_n) return Invalid("key entries must be as wide as q's head dim");
-  const auto wd = w.dimensions(), pd = page_table.dimensions(), od = ids->dimensions();
-  if (wd.size() != 2 || wd[0] != t_n || wd[1] != i_n) return Invalid("w must be [T, I]");
-  if (pd.size() != 2 || pd[0] != t_n) return Invalid("page_table must be [T, P]");
-  if (entries_per_page <= 0) return Invalid("entries_per_page must be positive");
-  if (limit.dimensions().size() != 1 || limit.dimensions()[0] != t_n) return Invalid("limit must be [T]");
-  const int64_t p_n = pd[1], s_n = p_n * entries_per_page;
-  if (od.size() != 2 || od[0] != t_n || od[1] > s_n) return Invalid("ids must be [T, k] with k <= S");
-  if (od[1] > kMaxTopk) return Invalid("the CUDA kernel keeps at most 2048 entries per query");
-  const auto sd = scores->dimensions();
-  if (sd.size() != 2 || sd[0] != t_n || sd[1] != s_n) return Invalid("scores scratch must be [T, S]");
-  if (j_n > kMaxHeadDim) return Invalid("indexer head dim above 256 is not supported by the CUDA kernel");
-  const size_t smem = std::max<size_t>(i_n * j_n * sizeof(float), kMaxTopk * (sizeof(float) + sizeof(int32_t)));
+  IndexerArgs a;
+  if (auto e = ParseIndexer(q, w, {key_values, key_scales, key_rope}, page_table, limit, ids->dimensions(),
+                            scores->dimensions(), block, entries_per_page, &a);
+      e.failure()) {
+    return e;
+  }
+  if (a.k > kMaxTopk) return Invalid("the CUDA kernel keeps at most 2048 entries per query");
+  if (a.j > kMaxHeadDim) return Invalid("indexer head dim above 256 is not supported by the CUDA kernel");
+  const size_t smem = std::max<size_t>(a.i * a.j * sizeof(float), kMaxTopk * (sizeof(float) + sizeof(int32_t)));
   if (smem > kMaxSmemBytes) return Invalid("indexer heads x head dim exceed the CUDA kernel's shared memory");
-  if (t_n == 0 || od[1] == 0) return ffi::Error::Success();
-  IndexerTopkKernel<<<static_cast<unsigned>(t_n), kThreads, smem, stream>>>(
-      q.untyped_data(), *q_type, w.typed_data(), keys, page_table.typed_data(), p_n, entries_per_page,
-      limit.typed_data(), scores->typed_data(), ids->typed_data(), i_n, j_n, od[1]);
+  if (a.t == 0 || a.k == 0) return ffi::Error::Success();
+  IndexerTopkKernel<<<static_cast<unsigned>(a.t), kThreads, smem, stream>>>(
+      q.untyped_data(), a.q_type, w.typed_data(), a.keys, page_table.typed_data(), a.p, a.epp, limit.typed_data(),
+      scores->typed_data(), ids->typed_data(), a.i, a.j, a.k);
   return LastCudaError("IndexerTopkKernel");
 }
 

@@ -7,7 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda_common.h"
-#include "kv_write.h"
+#include "op_args.h"
 
 namespace dsv4 {
 namespace {
@@ -39,35 +39,18 @@ ffi::Error KvWriteCuda(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuffe
                        ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> values_out,
                        ffi::Result<ffi::AnyBuffer> scales_out, ffi::Result<ffi::AnyBuffer> rope_out, int32_t grid_attr,
                        int32_t quant_width, int32_t block) {
-  TableView view;
-  if (auto e = MakeTable(values, scales, rope, block, "table", &view); e.failure()) return e;
-  const Grid grid = static_cast<Grid>(grid_attr);
-  if (auto e = CheckRank(x, 2, "new entries"); e.failure()) return e;
-  const auto x_type = ElemOf(x.element_type());
-  if (!x_type || (*x_type != Elem::kF32 && *x_type != Elem::kBf16)) return Invalid("new entries must be f32 or bf16");
-  const int64_t n = Dim(x, 0), width = Dim(x, 1);
-  if (width != view.width()) return Invalid("new entries must be as wide as the table's entries");
-  if (rows.dimensions().size() != 1 || rows.dimensions()[0] != n) return Invalid("rows must be [n]");
-  if (quant_width < 0 || quant_width > view.values_width) return Invalid("quant_width exceeds the values part");
-  const bool coded = view.values_type == Elem::kE4m3 || view.values_type == Elem::kE2m1x2;
-  if (coded && (grid == Grid::kNone || quant_width != view.values_width)) {
-    return Invalid("fp8/fp4 values need a grid over the whole values part");
-  }
-  if (grid != Grid::kNone && (quant_width == 0 || block <= 0 || block % 2)) {
-    return Invalid("a grid needs quant_width and an even block");
-  }
-  if (view.scales_width && view.scales_width != (quant_width + block - 1) / block) {
-    return Invalid("scales must hold one byte per block of the quantised columns");
-  }
+  KvWriteArgs a;
+  if (auto e = ParseKvWrite({values, scales, rope}, rows, x, grid_attr, quant_width, block, &a); e.failure()) return e;
+  const TableView& view = a.table;
   if (auto e = CopyIfNotAliased(stream, values, values_out); e.failure()) return e;
   if (auto e = CopyIfNotAliased(stream, scales, scales_out); e.failure()) return e;
   if (auto e = CopyIfNotAliased(stream, rope, rope_out); e.failure()) return e;
-  if (n == 0) return ffi::Error::Success();
+  if (a.n == 0) return ffi::Error::Success();
   const WritableTable t{values_out->untyped_data(), view.values_type, view.values_width,
                         static_cast<uint8_t*>(scales_out->untyped_data()), view.scales_width,
                         rope_out->untyped_data(), view.rope_type, view.rope_width, view.rows};
-  KvWriteKernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(
-      t, rows.typed_data(), x.untyped_data(), *x_type, width, grid, grid == Grid::kNone ? 0 : quant_width, block);
+  KvWriteKernel<<<static_cast<unsigned>(a.n), kThreads, 0, stream>>>(t, rows.typed_data(), x.untyped_data(), a.x_type,
+                                                                     a.width, a.grid, a.quant_width, block);
   return LastCudaError("KvWriteKernel");
 }
 

@@ -8,7 +8,7 @@
 #include <cmath>
 #include <vector>
 
-#include "ffi_args.h"
+#include "op_args.h"
 
 namespace dsv4 {
 namespace {
@@ -43,23 +43,16 @@ ffi::Error SparseAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer ring_values, ffi
                                ffi::AnyBuffer comp_values, ffi::AnyBuffer comp_scales, ffi::AnyBuffer comp_rope,
                                ffi::Buffer<ffi::S32> comp_idx, ffi::Buffer<ffi::F32> sink,
                                ffi::Result<ffi::AnyBuffer> out, float scale, int32_t block) {
-  if (auto e = CheckRank(q, 3, "q"); e.failure()) return e;
-  const auto q_type = ElemOf(q.element_type());
-  if (!q_type || (*q_type != Elem::kF32 && *q_type != Elem::kBf16)) return Invalid("q must be f32 or bf16");
-  if (out->element_type() != q.element_type()) return Invalid("the output must have q's dtype");
-  const int64_t t_n = Dim(q, 0), n_n = Dim(q, 1), h_n = Dim(q, 2);
-  TableView ring, fresh, comp;
-  if (auto e = MakeTable(ring_values, ring_scales, ring_rope, block, "ring", &ring); e.failure()) return e;
-  if (auto e = MakeTable(fresh_values, fresh_scales, fresh_rope, block, "fresh", &fresh); e.failure()) return e;
-  if (auto e = MakeTable(comp_values, comp_scales, comp_rope, block, "compressed", &comp); e.failure()) return e;
-  for (const TableView* t : {&ring, &fresh, &comp}) {
-    if (t->width() != h_n) return Invalid("every table's entries must be as wide as q's head dim");
+  AttentionArgs a;
+  if (auto e = ParseAttention(q, {ring_values, ring_scales, ring_rope}, {fresh_values, fresh_scales, fresh_rope},
+                              window_idx, {comp_values, comp_scales, comp_rope}, comp_idx, sink,
+                              out->element_type(), block, &a);
+      e.failure()) {
+    return e;
   }
-  const auto wd = window_idx.dimensions(), cd = comp_idx.dimensions();
-  if (wd.size() != 2 || wd[0] != t_n) return Invalid("window_idx must be [T, W]");
-  if (cd.size() != 2 || cd[0] != t_n) return Invalid("compressed_idx must be [T, X]");
-  if (sink.dimensions().size() != 1 || sink.dimensions()[0] != n_n) return Invalid("sink must be [N]");
-  const int64_t w_n = wd[1], x_n = cd[1];
+  const int64_t t_n = a.t, n_n = a.n, h_n = a.h, w_n = a.w, x_n = a.x;
+  const TableView &ring = a.ring, &fresh = a.fresh, &comp = a.comp;
+  const Elem q_type = a.q_type;
 
   std::vector<Selected> rows;
   std::vector<float> kv, q_row(h_n), s, o(h_n);
@@ -74,7 +67,7 @@ ffi::Error SparseAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer ring_values, ffi
     s.resize(m_n);
     for (int64_t n = 0; n < n_n; ++n) {
       const int64_t qo = (t * n_n + n) * h_n;
-      for (int64_t k = 0; k < h_n; ++k) q_row[k] = LoadElem(q.untyped_data(), *q_type, qo + k);
+      for (int64_t k = 0; k < h_n; ++k) q_row[k] = LoadElem(q.untyped_data(), q_type, qo + k);
       const float sink_n = sink.typed_data()[n];
       float m = sink_n;
       for (int64_t j = 0; j < m_n; ++j) {
@@ -92,7 +85,7 @@ ffi::Error SparseAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer ring_values, ffi
       }
       for (int64_t k = 0; k < h_n; ++k) {
         const float v = o[k] / denom;
-        if (*q_type == Elem::kF32) {
+        if (q_type == Elem::kF32) {
           static_cast<float*>(out->untyped_data())[qo + k] = v;
         } else {
           static_cast<uint16_t*>(out->untyped_data())[qo + k] = FloatToBf16(v);

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda_common.h"
+#include "op_args.h"
 
 namespace dsv4 {
 namespace {
@@ -117,28 +118,19 @@ ffi::Error SparseAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
                                ffi::AnyBuffer comp_values, ffi::AnyBuffer comp_scales, ffi::AnyBuffer comp_rope,
                                ffi::Buffer<ffi::S32> comp_idx, ffi::Buffer<ffi::F32> sink,
                                ffi::Result<ffi::AnyBuffer> out, float scale, int32_t block) {
-  if (auto e = CheckRank(q, 3, "q"); e.failure()) return e;
-  const auto q_type = ElemOf(q.element_type());
-  if (!q_type || (*q_type != Elem::kF32 && *q_type != Elem::kBf16)) return Invalid("q must be f32 or bf16");
-  if (out->element_type() != q.element_type()) return Invalid("the output must have q's dtype");
-  const int64_t t_n = Dim(q, 0), n_n = Dim(q, 1), h_n = Dim(q, 2);
-  if (h_n > kMaxHeadDim) return Invalid("head dim above 512 is not supported by the CUDA kernel");
-  TableView ring, fresh, comp;
-  if (auto e = MakeTable(ring_values, ring_scales, ring_rope, block, "ring", &ring); e.failure()) return e;
-  if (auto e = MakeTable(fresh_values, fresh_scales, fresh_rope, block, "fresh", &fresh); e.failure()) return e;
-  if (auto e = MakeTable(comp_values, comp_scales, comp_rope, block, "compressed", &comp); e.failure()) return e;
-  for (const TableView* t : {&ring, &fresh, &comp}) {
-    if (t->width() != h_n) return Invalid("every table's entries must be as wide as q's head dim");
+  AttentionArgs a;
+  if (auto e = ParseAttention(q, {ring_values, ring_scales, ring_rope}, {fresh_values, fresh_scales, fresh_rope},
+                              window_idx, {comp_values, comp_scales, comp_rope}, comp_idx, sink,
+                              out->element_type(), block, &a);
+      e.failure()) {
+    return e;
   }
-  const auto wd = window_idx.dimensions(), cd = comp_idx.dimensions();
-  if (wd.size() != 2 || wd[0] != t_n) return Invalid("window_idx must be [T, W]");
-  if (cd.size() != 2 || cd[0] != t_n) return Invalid("compressed_idx must be [T, X]");
-  if (sink.dimensions().size() != 1 || sink.dimensions()[0] != n_n) return Invalid("sink must be [N]");
-  if (t_n == 0 || n_n == 0) return ffi::Error::Success();
-  const dim3 grid(static_cast<unsigned>(t_n), static_cast<unsigned>((n_n + kHeadsPerBlock - 1) / kHeadsPerBlock));
+  if (a.h > kMaxHeadDim) return Invalid("head dim above 512 is not supported by the CUDA kernel");
+  if (a.t == 0 || a.n == 0) return ffi::Error::Success();
+  const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.n + kHeadsPerBlock - 1) / kHeadsPerBlock));
   SparseAttentionKernel<<<grid, 32 * kHeadsPerBlock, 0, stream>>>(
-      q.untyped_data(), *q_type, ring, fresh, comp, window_idx.typed_data(), wd[1], comp_idx.typed_data(), cd[1],
-      sink.typed_data(), out->untyped_data(), n_n, h_n, scale);
+      q.untyped_data(), a.q_type, a.ring, a.fresh, a.comp, window_idx.typed_data(), a.w, comp_idx.typed_data(), a.x,
+      sink.typed_data(), out->untyped_data(), a.n, a.h, scale);
   return LastCudaError("SparseAttentionKernel");
 }
 

@@ -1,0 +1,117 @@
+// The argument checks of each op, shared by its CPU and CUDA handlers: FFI buffers in, the
+// shapes and table views the kernels use out, or an InvalidArgument error naming the problem.
+#pragma once
+
+#include <cstdint>
+
+#include "ffi_args.h"
+#include "kv_write.h"
+
+namespace dsv4 {
+
+inline std::optional<Elem> FloatElem(const ffi::AnyBuffer& b) {
+  const auto e = ElemOf(b.element_type());
+  return e && (*e == Elem::kF32 || *e == Elem::kBf16) ? e : std::nullopt;
+}
+
+struct AttentionArgs {
+  Elem q_type;
+  int64_t t, n, h, w, x;  // queries, heads, head dim, window slots, compressed slots
+  TableView ring, fresh, comp;
+};
+
+inline ffi::Error ParseAttention(const ffi::AnyBuffer& q, const ffi::AnyBuffer (&ring)[3],
+                                 const ffi::AnyBuffer (&fresh)[3], const ffi::Buffer<ffi::S32>& window_idx,
+                                 const ffi::AnyBuffer (&comp)[3], const ffi::Buffer<ffi::S32>& comp_idx,
+                                 const ffi::Buffer<ffi::F32>& sink, ffi::DataType out_type, int32_t block,
+                                 AttentionArgs* a) {
+  if (auto e = CheckRank(q, 3, "q"); e.failure()) return e;
+  const auto q_type = FloatElem(q);
+  if (!q_type) return Invalid("q must be f32 or bf16");
+  if (out_type != q.element_type()) return Invalid("the output must have q's dtype");
+  a->q_type = *q_type;
+  a->t = Dim(q, 0), a->n = Dim(q, 1), a->h = Dim(q, 2);
+  if (auto e = MakeTable(ring[0], ring[1], ring[2], block, "ring", &a->ring); e.failure()) return e;
+  if (auto e = MakeTable(fresh[0], fresh[1], fresh[2], block, "fresh", &a->fresh); e.failure()) return e;
+  if (auto e = MakeTable(comp[0], comp[1], comp[2], block, "compressed", &a->comp); e.failure()) return e;
+  for (const TableView* t : {&a->ring, &a->fresh, &a->comp}) {
+    if (t->width() != a->h) return Invalid("every table's entries must be as wide as q's head dim");
+  }
+  const auto wd = window_idx.dimensions(), cd = comp_idx.dimensions();
+  if (wd.size() != 2 || wd[0] != a->t) return Invalid("window_idx must be [T, W]");
+  if (cd.size() != 2 || cd[0] != a->t) return Invalid("compressed_idx must be [T, X]");
+  if (sink.dimensions().size() != 1 || sink.dimensions()[0] != a->n) return Invalid("sink must be [N]");
+  a->w = wd[1], a->x = cd[1];
+  return ffi::Error::Success();
+}
+
+struct IndexerArgs {
+  Elem q_type;
+  int64_t t, i, j, p, epp, s, k;  // queries, heads, head dim, pages, entries per page, S = p x epp, kept slots
+  TableView keys;
+};
+
+inline ffi::Error ParseIndexer(const ffi::AnyBuffer& q, const ffi::Buffer<ffi::F32>& w,
+                               const ffi::AnyBuffer (&keys)[3], const ffi::Buffer<ffi::S32>& page_table,
+                               const ffi::Buffer<ffi::S32>& limit, ffi::Span<const int64_t> ids_dims,
+                               ffi::Span<const int64_t> scores_dims, int32_t block, int32_t entries_per_page,
+                               IndexerArgs* a) {
+  if (auto e = CheckRank(q, 3, "q"); e.failure()) return e;
+  const auto q_type = FloatElem(q);
+  if (!q_type) return Invalid("q must be f32 or bf16");
+  a->q_type = *q_type;
+  a->t = Dim(q, 0), a->i = Dim(q, 1), a->j = Dim(q, 2);
+  if (auto e = MakeTable(keys[0], keys[1], keys[2], block, "keys", &a->keys); e.failure()) return e;
+  if (a->keys.width() != a->j) return Invalid("key entries must be as wide as q's head dim");
+  const auto wd = w.dimensions(), pd = page_table.dimensions();
+  if (wd.size() != 2 || wd[0] != a->t || wd[1] != a->i) return Invalid("w must be [T, I]");
+  if (pd.size() != 2 || pd[0] != a->t) return Invalid("page_table must be [T, P]");
+  if (entries_per_page <= 0) return Invalid("entries_per_page must be positive");
+  if (limit.dimensions().size() != 1 || limit.dimensions()[0] != a->t) return Invalid("limit must be [T]");
+  a->p = pd[1], a->epp = entries_per_page, a->s = a->p * a->epp;
+  if (ids_dims.size() != 2 || ids_dims[0] != a->t || ids_dims[1] > a->s) return Invalid("ids must be [T, k] with k <= S");
+  a->k = ids_dims[1];
+  if (scores_dims.size() != 2 || scores_dims[0] != a->t || scores_dims[1] != a->s) {
+    return Invalid("scores scratch must be [T, S]");
+  }
+  return ffi::Error::Success();
+}
+
+struct KvWriteArgs {
+  TableView table;
+  Elem x_type;
+  int64_t n, width, quant_width;  // new rows, entry width, columns rounded to the grid (0 without one)
+  Grid grid;
+};
+
+inline ffi::Error ParseKvWrite(const ffi::AnyBuffer (&table)[3], const ffi::Buffer<ffi::S32>& rows,
+                               const ffi::AnyBuffer& x, int32_t grid_attr, int32_t quant_width, int32_t block,
+                               KvWriteArgs* a) {
+  if (auto e = MakeTable(table[0], table[1], table[2], block, "table", &a->table); e.failure()) return e;
+  const TableView& v = a->table;
+  if (grid_attr < 0 || grid_attr > 2) return Invalid("grid must be 0 (none), 1 (e4m3) or 2 (e2m1)");
+  a->grid = static_cast<Grid>(grid_attr);
+  if (auto e = CheckRank(x, 2, "new entries"); e.failure()) return e;
+  const auto x_type = FloatElem(x);
+  if (!x_type) return Invalid("new entries must be f32 or bf16");
+  a->x_type = *x_type;
+  a->n = Dim(x, 0), a->width = Dim(x, 1);
+  if (a->width != v.width()) return Invalid("new entries must be as wide as the table's entries");
+  if (rows.dimensions().size() != 1 || rows.dimensions()[0] != a->n) return Invalid("rows must be [n]");
+  if (quant_width < 0 || quant_width > v.values_width) return Invalid("quant_width exceeds the values part");
+  const bool coded = v.values_type == Elem::kE4m3 || v.values_type == Elem::kE2m1x2;
+  if (coded && (a->grid == Grid::kNone || quant_width != v.values_width)) {
+    return Invalid("fp8/fp4 values need a grid over the whole values part");
+  }
+  // An even block keeps every packed e2m1 byte inside one block (one writer per byte on the GPU).
+  if (a->grid != Grid::kNone && (quant_width == 0 || block <= 0 || block % 2)) {
+    return Invalid("a grid needs quant_width and an even block");
+  }
+  if (v.scales_width && v.scales_width != (quant_width + block - 1) / block) {
+    return Invalid("scales must hold one byte per block of the quantised columns");
+  }
+  a->quant_width = a->grid == Grid::kNone ? 0 : quant_width;
+  return ffi::Error::Success();
+}
+
+}  // namespace dsv4
