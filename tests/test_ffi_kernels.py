@@ -6,7 +6,6 @@ on the device machine, where the CUDA library serves the same targets.
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,6 @@ import numpy as np
 import pytest
 
 import ffi_kernels
-from dsv4 import quant
 from dsv4.ops.indexer_topk import ffi as indexer_ffi, reference as indexer_ref
 from dsv4.ops.kv_write import ffi as kv_write_ffi, reference as kv_write_ref
 from dsv4.ops.registry import Backend, ops_for
