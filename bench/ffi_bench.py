@@ -197,7 +197,8 @@ def markdown_row(r: dict, meta: dict, s: Settings) -> str:
             ratio += f"; ffi {r['ffi_speedup']:.3g}x faster than reference"
     what = (f"{r['op']}, {s.config_name} dims, {r['case']} at context {s.context}, KV {s.kv_format}, "
             f"index keys {s.index_format}")
-    return f"| {meta['date']} | {meta['device']} (jax {meta['jax_version']}) | `{command(s)}` | {what} | {figure} | {ratio} |"
+    device = f"{meta['device']} (jax {meta['jax_version']})"
+    return f"| {meta['date']} | {device} | `{command(s)}` | {what} | {figure} | {ratio} |"
 
 
 def parse_args(argv: Sequence[str] | None) -> Settings:

@@ -22,7 +22,9 @@ left alone, XLA gathers their whole weight to every device (on GPU it all-gather
 layer's dequantised experts, 4 GiB each, and the 1 GiB embedding table every step). So
 `Placement.shard_ops` runs them in `shard_map`: the routed experts on each device's own
 experts, the embedding lookup on each device's own vocabulary rows, each followed by one
-all-reduce of the [T, D] result. Kernels called through FFI are wrapped the same way.
+all-reduce of the [T, D] result. Kernels called through FFI (`OpSet.custom_calls`) are
+wrapped too, since the partitioner cannot split a custom call: sparse attention on each
+device's own heads, the indexer top-k and the table writes whole on every device.
 
 A dimension that the mesh axis does not divide stays replicated (`partition_spec` drops
 that axis), so tiny test configs shard wherever they can and stay correct everywhere;
@@ -253,8 +255,8 @@ class Placement:
         return dataclasses.replace(
             ops, sparse_attention=self._local_heads(ops.sparse_attention, head_dim=2),
             sparse_attention_paged=self._local_heads(ops.sparse_attention_paged, head_dim=1),
-            indexer_topk=self._replicated(ops.indexer_topk), indexer_topk_paged=self._replicated(ops.indexer_topk_paged),
-            table_write=self._replicated(ops.table_write))
+            indexer_topk=self._replicated(ops.indexer_topk),
+            indexer_topk_paged=self._replicated(ops.indexer_topk_paged), table_write=self._replicated(ops.table_write))
 
     def _axis(self, logical: str) -> str | None:
         axis = self.rules.get(logical)
@@ -305,7 +307,6 @@ class Placement:
                              PartitionSpec())(table_VD, ids)
 
         return sharded
-
 
     def _local_heads(self, attention: Callable, head_dim: int) -> Callable:
         """A sparse-attention op (q first, sink second to last, scale last; heads on q's axis

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import enum
+import functools
 from typing import Callable
 
 import jax

@@ -59,16 +59,18 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::F32> w, ffi::AnyBu
 }  // namespace
 }  // namespace dsv4
 
+namespace ffi = xla::ffi;
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4IndexerTopkCpu, dsv4::IndexerTopkImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // q [T, I, J] f32 | bf16
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w [T, I] (score scale folded in)
-                                  .Arg<xla::ffi::AnyBuffer>()  // key values [Rk, J] (packed e2m1: [Rk, J/2])
-                                  .Arg<xla::ffi::AnyBuffer>()  // key scales [Rk, J/block] u8 (or [Rk, 0])
-                                  .Arg<xla::ffi::AnyBuffer>()  // key rope [Rk, 0] (indexer keys have none)
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // page_table [T, P]: the query's request's pages, -1 unallocated
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // limit [T]: candidates s < limit are visible
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // ids [T, min(topk, S)], -1 = none
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // scores [T, S]: scratch, contents unspecified
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()       // q [T, I, J] f32 | bf16
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [T, I] (score scale folded in)
+                                  .Arg<ffi::AnyBuffer>()       // key values [Rk, J] (packed e2m1: [Rk, J/2])
+                                  .Arg<ffi::AnyBuffer>()       // key scales [Rk, J/block] u8 (or [Rk, 0])
+                                  .Arg<ffi::AnyBuffer>()       // key rope [Rk, 0] (indexer keys have none)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table [T, P]; -1 = unallocated
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // limit [T]: candidates s < limit are visible
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // ids [T, min(topk, S)], -1 = none
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // scores [T, S]: scratch, contents unspecified
                                   .Attr<int32_t>("block")      // values per scale byte
                                   .Attr<int32_t>("entries_per_page"));  // S = P x entries_per_page

@@ -199,19 +199,21 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
 }  // namespace
 }  // namespace dsv4
 
+namespace ffi = xla::ffi;
+
 // The arguments are those of Dsv4IndexerTopkCpu (indexer_topk_cpu.cc), after the stream.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4IndexerTopkCuda, dsv4::IndexerTopkCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // q
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w
-                                  .Arg<xla::ffi::AnyBuffer>()  // key values
-                                  .Arg<xla::ffi::AnyBuffer>()  // key scales
-                                  .Arg<xla::ffi::AnyBuffer>()  // key rope
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // page_table
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // limit
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // ids
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // scores scratch [T, S]
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()       // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w
+                                  .Arg<ffi::AnyBuffer>()       // key values
+                                  .Arg<ffi::AnyBuffer>()       // key scales
+                                  .Arg<ffi::AnyBuffer>()       // key rope
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // limit
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // ids
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // scores scratch [T, S]
                                   .Attr<int32_t>("block")
                                   .Attr<int32_t>("entries_per_page"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                              {ffi::Traits::kCmdBufferCompatible});

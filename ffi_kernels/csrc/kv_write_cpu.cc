@@ -41,16 +41,18 @@ ffi::Error KvWriteImpl(ffi::AnyBuffer values, ffi::AnyBuffer scales, ffi::AnyBuf
 }  // namespace
 }  // namespace dsv4
 
+namespace ffi = xla::ffi;
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4KvWriteCpu, dsv4::KvWriteImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // table values [R, Wv] (aliased to result 0)
-                                  .Arg<xla::ffi::AnyBuffer>()  // table scales [R, nb] u8 (aliased to result 1)
-                                  .Arg<xla::ffi::AnyBuffer>()  // table rope [R, Wr] (aliased to result 2)
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // rows [n]: target row; outside [0, R) dropped
-                                  .Arg<xla::ffi::AnyBuffer>()  // new entries [n, Wv + Wr] in the table's dtype
-                                  .Ret<xla::ffi::AnyBuffer>()  // table values'
-                                  .Ret<xla::ffi::AnyBuffer>()  // table scales'
-                                  .Ret<xla::ffi::AnyBuffer>()  // table rope'
-                                  .Attr<int32_t>("grid")         // 0 store as is, 1 e4m3 grid, 2 e2m1 grid
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()       // table values [R, Wv] (aliased to result 0)
+                                  .Arg<ffi::AnyBuffer>()       // table scales [R, nb] u8 (aliased to result 1)
+                                  .Arg<ffi::AnyBuffer>()       // table rope [R, Wr] (aliased to result 2)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows [n]: target row; outside [0, R) dropped
+                                  .Arg<ffi::AnyBuffer>()       // new entries [n, Wv + Wr] in the table's dtype
+                                  .Ret<ffi::AnyBuffer>()       // table values'
+                                  .Ret<ffi::AnyBuffer>()       // table scales'
+                                  .Ret<ffi::AnyBuffer>()       // table rope'
+                                  .Attr<int32_t>("grid")       // 0 store as is, 1 e4m3 grid, 2 e2m1 grid
                                   .Attr<int32_t>("quant_width")  // leading columns rounded to the grid
-                                  .Attr<int32_t>("block"));      // columns per scale
+                                  .Attr<int32_t>("block"));    // columns per scale

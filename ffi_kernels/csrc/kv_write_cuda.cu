@@ -23,7 +23,9 @@ __global__ void KvWriteKernel(WritableTable t, const int32_t* rows, const void* 
   for (int64_t b = threadIdx.x; b < n_blocks; b += kThreads) {
     WriteQuantBlock(t, row, x, x_type, i * width, grid, quant_width, block, b);
   }
-  for (int64_t k = quant_width + threadIdx.x; k < width; k += kThreads) WritePlainColumn(t, row, x, x_type, i * width, k);
+  for (int64_t k = quant_width + threadIdx.x; k < width; k += kThreads) {
+    WritePlainColumn(t, row, x, x_type, i * width, k);
+  }
 }
 
 ffi::Error CopyIfNotAliased(cudaStream_t stream, const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
@@ -57,19 +59,21 @@ ffi::Error KvWriteCuda(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuffe
 }  // namespace
 }  // namespace dsv4
 
+namespace ffi = xla::ffi;
+
 // The arguments are those of Dsv4KvWriteCpu (kv_write_cpu.cc), after the stream.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4KvWriteCuda, dsv4::KvWriteCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // table values
-                                  .Arg<xla::ffi::AnyBuffer>()  // table scales
-                                  .Arg<xla::ffi::AnyBuffer>()  // table rope
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // rows
-                                  .Arg<xla::ffi::AnyBuffer>()  // new entries
-                                  .Ret<xla::ffi::AnyBuffer>()  // table values'
-                                  .Ret<xla::ffi::AnyBuffer>()  // table scales'
-                                  .Ret<xla::ffi::AnyBuffer>()  // table rope'
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()       // table values
+                                  .Arg<ffi::AnyBuffer>()       // table scales
+                                  .Arg<ffi::AnyBuffer>()       // table rope
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows
+                                  .Arg<ffi::AnyBuffer>()       // new entries
+                                  .Ret<ffi::AnyBuffer>()       // table values'
+                                  .Ret<ffi::AnyBuffer>()       // table scales'
+                                  .Ret<ffi::AnyBuffer>()       // table rope'
                                   .Attr<int32_t>("grid")
                                   .Attr<int32_t>("quant_width")
                                   .Attr<int32_t>("block"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -69,7 +69,9 @@ inline ffi::Error ParseIndexer(const ffi::AnyBuffer& q, const ffi::Buffer<ffi::F
   if (entries_per_page <= 0) return Invalid("entries_per_page must be positive");
   if (limit.dimensions().size() != 1 || limit.dimensions()[0] != a->t) return Invalid("limit must be [T]");
   a->p = pd[1], a->epp = entries_per_page, a->s = a->p * a->epp;
-  if (ids_dims.size() != 2 || ids_dims[0] != a->t || ids_dims[1] > a->s) return Invalid("ids must be [T, k] with k <= S");
+  if (ids_dims.size() != 2 || ids_dims[0] != a->t || ids_dims[1] > a->s) {
+    return Invalid("ids must be [T, k] with k <= S");
+  }
   a->k = ids_dims[1];
   if (scores_dims.size() != 2 || scores_dims[0] != a->t || scores_dims[1] != a->s) {
     return Invalid("scores scratch must be [T, S]");

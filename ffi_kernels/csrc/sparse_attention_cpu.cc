@@ -99,22 +99,24 @@ ffi::Error SparseAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer ring_values, ffi
 }  // namespace
 }  // namespace dsv4
 
+namespace ffi = xla::ffi;
+
 // The arguments, in order (see dsv4/ops/sparse_attention/ffi.py, which builds them):
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SparseAttentionCpu, dsv4::SparseAttentionImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // q [T, N, H] f32 | bf16
-                                  .Arg<xla::ffi::AnyBuffer>()  // ring values [Rr, Hv]
-                                  .Arg<xla::ffi::AnyBuffer>()  // ring scales [Rr, Hv/block] u8 (or [Rr, 0])
-                                  .Arg<xla::ffi::AnyBuffer>()  // ring rope [Rr, H - Hv] (or [Rr, 0])
-                                  .Arg<xla::ffi::AnyBuffer>()  // fresh values [Rf, Hv]: this step's rows
-                                  .Arg<xla::ffi::AnyBuffer>()  // fresh scales
-                                  .Arg<xla::ffi::AnyBuffer>()  // fresh rope
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // window_idx [T, W]: ring row, or Rr + fresh row; -1 none
-                                  .Arg<xla::ffi::AnyBuffer>()  // compressed values [Rc, Hv] (Rc may be 0)
-                                  .Arg<xla::ffi::AnyBuffer>()  // compressed scales
-                                  .Arg<xla::ffi::AnyBuffer>()  // compressed rope
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // compressed_idx [T, X]: pool row; -1 or >= Rc none
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // sink [N]
-                                  .Ret<xla::ffi::AnyBuffer>()  // out [T, N, H], q's dtype
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()       // q [T, N, H] f32 | bf16
+                                  .Arg<ffi::AnyBuffer>()       // ring values [Rr, Hv]
+                                  .Arg<ffi::AnyBuffer>()       // ring scales [Rr, Hv/block] u8 (or [Rr, 0])
+                                  .Arg<ffi::AnyBuffer>()       // ring rope [Rr, H - Hv] (or [Rr, 0])
+                                  .Arg<ffi::AnyBuffer>()       // fresh values [Rf, Hv]: this step's rows
+                                  .Arg<ffi::AnyBuffer>()       // fresh scales
+                                  .Arg<ffi::AnyBuffer>()       // fresh rope
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window_idx [T, W]: ring row or Rr + fresh row; -1
+                                  .Arg<ffi::AnyBuffer>()       // compressed values [Rc, Hv] (Rc may be 0)
+                                  .Arg<ffi::AnyBuffer>()       // compressed scales
+                                  .Arg<ffi::AnyBuffer>()       // compressed rope
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // compressed_idx [T, X]: pool row; -1 or >= Rc none
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sink [N]
+                                  .Ret<ffi::AnyBuffer>()       // out [T, N, H], q's dtype
                                   .Attr<float>("scale")        // softmax scale
                                   .Attr<int32_t>("block"));    // values per scale byte

@@ -137,24 +137,26 @@ ffi::Error SparseAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
 }  // namespace
 }  // namespace dsv4
 
+namespace ffi = xla::ffi;
+
 // The arguments are those of Dsv4SparseAttentionCpu (sparse_attention_cpu.cc), after the stream.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SparseAttentionCuda, dsv4::SparseAttentionCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // q
-                                  .Arg<xla::ffi::AnyBuffer>()  // ring values
-                                  .Arg<xla::ffi::AnyBuffer>()  // ring scales
-                                  .Arg<xla::ffi::AnyBuffer>()  // ring rope
-                                  .Arg<xla::ffi::AnyBuffer>()  // fresh values
-                                  .Arg<xla::ffi::AnyBuffer>()  // fresh scales
-                                  .Arg<xla::ffi::AnyBuffer>()  // fresh rope
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // window_idx
-                                  .Arg<xla::ffi::AnyBuffer>()  // compressed values
-                                  .Arg<xla::ffi::AnyBuffer>()  // compressed scales
-                                  .Arg<xla::ffi::AnyBuffer>()  // compressed rope
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // compressed_idx
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // sink
-                                  .Ret<xla::ffi::AnyBuffer>()  // out
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()       // q
+                                  .Arg<ffi::AnyBuffer>()       // ring values
+                                  .Arg<ffi::AnyBuffer>()       // ring scales
+                                  .Arg<ffi::AnyBuffer>()       // ring rope
+                                  .Arg<ffi::AnyBuffer>()       // fresh values
+                                  .Arg<ffi::AnyBuffer>()       // fresh scales
+                                  .Arg<ffi::AnyBuffer>()       // fresh rope
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window_idx
+                                  .Arg<ffi::AnyBuffer>()       // compressed values
+                                  .Arg<ffi::AnyBuffer>()       // compressed scales
+                                  .Arg<ffi::AnyBuffer>()       // compressed rope
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // compressed_idx
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sink
+                                  .Ret<ffi::AnyBuffer>()       // out
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("block"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                              {ffi::Traits::kCmdBufferCompatible});
