@@ -194,7 +194,8 @@ def markdown_row(r: dict, meta: dict, s: Settings) -> str:
         figure = "; ".join(parts) + f"; roofline {r['roofline_ms']:.3g} ms"
         ratio = "; ".join(f"{b} {r[b]['over_roofline']:.3g}x roofline" for b in s.backends if "ms" in r[b])
         if "ffi_speedup" in r:
-            ratio += f"; ffi {r['ffi_speedup']:.3g}x faster than reference"
+            x = r["ffi_speedup"]
+            ratio += f"; ffi {x:.3g}x faster than reference" if x >= 1 else f"; ffi {1 / x:.3g}x SLOWER than reference"
     what = (f"{r['op']}, {s.config_name} dims, {r['case']} at context {s.context}, KV {s.kv_format}, "
             f"index keys {s.index_format}")
     device = f"{meta['device']} (jax {meta['jax_version']})"
