@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.step_bench import CONFIGS, DTYPES, _sizes
+from bench.step_bench import CONFIGS, DTYPES, _is_oom, _sizes
 from dsv4.config import ModelConfig
 from dsv4.ops.registry import Backend, ops_for
 from dsv4.state import EntryFormat, EntryTable, default_page_tokens
@@ -164,8 +164,8 @@ def run_op(op: str, cfg: ModelConfig, case: Case, s: Settings, log) -> dict:
         jitted = jax.jit(getattr(ops_for(backend), attr), static_argnums=_STATIC[op])
         try:
             compile_s, ms = time_call(jitted, args, s)
-        except Exception as e:  # noqa: BLE001 - one failing backend must not hide the others' figures
-            if "RESOURCE_EXHAUSTED" not in str(e) and "Out of memory" not in str(e):
+        except Exception as e:  # noqa: BLE001 - one backend out of memory must not hide the others' figures
+            if not _is_oom(e):
                 raise
             result[backend] = {"status": "OOM"}
             log(f"{op} {case.name} {backend}: OOM")

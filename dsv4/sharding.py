@@ -340,9 +340,9 @@ class Placement:
                     full[i] = v
                 return op(*jax.tree_util.tree_unflatten(tree, full))
 
-            values = [leaves[i] for i in arrays]
-            out_specs = jax.tree_util.tree_map(lambda _: PartitionSpec(), jax.eval_shape(local, *values))
-            return shard_map(local, self.mesh, (PartitionSpec(),) * len(arrays), out_specs)(*values)
+            # One PartitionSpec() is a prefix of any output tree: every output replicated.
+            return shard_map(local, self.mesh, (PartitionSpec(),) * len(arrays), PartitionSpec())(
+                *[leaves[i] for i in arrays])
 
         return sharded
 

@@ -36,11 +36,6 @@ inline ffi::Error CheckRank(const ffi::AnyBuffer& b, size_t rank, const char* na
   return ffi::Error::Success();
 }
 
-inline ffi::Error CheckType(const ffi::AnyBuffer& b, ffi::DataType want, const char* name) {
-  if (b.element_type() != want) return Invalid(std::string(name) + " has an unexpected element type");
-  return ffi::Error::Success();
-}
-
 // The three parts of a table (values, scales, rope: each [rows, width]; width 0 for an absent part).
 inline ffi::Error MakeTable(const ffi::AnyBuffer& values, const ffi::AnyBuffer& scales, const ffi::AnyBuffer& rope,
                             int64_t block, const char* name, TableView* out) {

@@ -23,12 +23,10 @@ struct WritableTable {
   int64_t rows;
 };
 
-DSV4_HD void StoreFloat(void* base, Elem type, int64_t i, float v) {
-  if (type == Elem::kF32) {
-    static_cast<float*>(base)[i] = v;
-  } else {
-    static_cast<uint16_t*>(base)[i] = FloatToBf16(v);
-  }
+// The writable parts (the aliased results) of the table `v` describes.
+inline WritableTable Writable(const TableView& v, void* values, void* scales, void* rope) {
+  return {values, v.values_type, v.values_width, static_cast<uint8_t*>(scales), v.scales_width,
+          rope, v.rope_type, v.rope_width, v.rows};
 }
 
 DSV4_HD float RoundToGrid(Grid grid, float y) { return grid == Grid::kE4m3 ? RoundE4m3(y) : RoundE2m1(y); }

@@ -18,13 +18,11 @@ ffi::Error KvWriteImpl(ffi::AnyBuffer values, ffi::AnyBuffer scales, ffi::AnyBuf
                        ffi::Result<ffi::AnyBuffer> rope_out, int32_t grid_attr, int32_t quant_width, int32_t block) {
   KvWriteArgs a;
   if (auto e = ParseKvWrite({values, scales, rope}, rows, x, grid_attr, quant_width, block, &a); e.failure()) return e;
-  const TableView& view = a.table;
   AliasOrCopy(values, values_out);
   AliasOrCopy(scales, scales_out);
   AliasOrCopy(rope, rope_out);
-  const WritableTable t{values_out->untyped_data(), view.values_type, view.values_width,
-                        static_cast<uint8_t*>(scales_out->untyped_data()), view.scales_width,
-                        rope_out->untyped_data(), view.rope_type, view.rope_width, view.rows};
+  const WritableTable t =
+      Writable(a.table, values_out->untyped_data(), scales_out->untyped_data(), rope_out->untyped_data());
   const int64_t q_w = a.quant_width, width = a.width;
   const int64_t n_blocks = q_w ? (q_w + block - 1) / block : 0;
   for (int64_t i = 0; i < a.n; ++i) {

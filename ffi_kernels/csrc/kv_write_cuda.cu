@@ -43,14 +43,12 @@ ffi::Error KvWriteCuda(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuffe
                        int32_t quant_width, int32_t block) {
   KvWriteArgs a;
   if (auto e = ParseKvWrite({values, scales, rope}, rows, x, grid_attr, quant_width, block, &a); e.failure()) return e;
-  const TableView& view = a.table;
   if (auto e = CopyIfNotAliased(stream, values, values_out); e.failure()) return e;
   if (auto e = CopyIfNotAliased(stream, scales, scales_out); e.failure()) return e;
   if (auto e = CopyIfNotAliased(stream, rope, rope_out); e.failure()) return e;
   if (a.n == 0) return ffi::Error::Success();
-  const WritableTable t{values_out->untyped_data(), view.values_type, view.values_width,
-                        static_cast<uint8_t*>(scales_out->untyped_data()), view.scales_width,
-                        rope_out->untyped_data(), view.rope_type, view.rope_width, view.rows};
+  const WritableTable t =
+      Writable(a.table, values_out->untyped_data(), scales_out->untyped_data(), rope_out->untyped_data());
   KvWriteKernel<<<static_cast<unsigned>(a.n), kThreads, 0, stream>>>(t, rows.typed_data(), x.untyped_data(), a.x_type,
                                                                      a.width, a.grid, a.quant_width, block);
   return LastCudaError("KvWriteKernel");

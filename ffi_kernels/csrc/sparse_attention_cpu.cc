@@ -83,14 +83,7 @@ ffi::Error SparseAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer ring_values, ffi
         denom += p;
         for (int64_t k = 0; k < h_n; ++k) o[k] += p * kv[j * h_n + k];
       }
-      for (int64_t k = 0; k < h_n; ++k) {
-        const float v = o[k] / denom;
-        if (q_type == Elem::kF32) {
-          static_cast<float*>(out->untyped_data())[qo + k] = v;
-        } else {
-          static_cast<uint16_t*>(out->untyped_data())[qo + k] = FloatToBf16(v);
-        }
-      }
+      for (int64_t k = 0; k < h_n; ++k) StoreFloat(out->untyped_data(), q_type, qo + k, o[k] / denom);
     }
   }
   return ffi::Error::Success();

@@ -102,13 +102,7 @@ __global__ void SparseAttentionKernel(const void* q, Elem q_type, TableView ring
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int64_t k = lane + 32 * i;
-    if (k >= h_n) continue;
-    const float v = acc[i] / l;
-    if (q_type == Elem::kF32) {
-      static_cast<float*>(out)[qo + k] = v;
-    } else {
-      static_cast<uint16_t*>(out)[qo + k] = FloatToBf16(v);
-    }
+    if (k < h_n) StoreFloat(out, q_type, qo + k, acc[i] / l);
   }
 }
 

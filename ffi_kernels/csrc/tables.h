@@ -43,6 +43,15 @@ DSV4_HD float LoadElem(const void* base, Elem type, int64_t i) {
   return 0.0f;
 }
 
+// Stores v as element i of an f32 or bf16 array (round to nearest even for bf16).
+DSV4_HD void StoreFloat(void* base, Elem type, int64_t i, float v) {
+  if (type == Elem::kF32) {
+    static_cast<float*>(base)[i] = v;
+  } else {
+    static_cast<uint16_t*>(base)[i] = FloatToBf16(v);
+  }
+}
+
 // Entry k (< t.width()) of row `row` (< t.rows), decoded to f32.
 DSV4_HD float DecodeEntry(const TableView& t, int64_t row, int64_t k) {
   if (k >= t.values_width) return LoadElem(t.rope, t.rope_type, row * t.rope_width + (k - t.values_width));
