@@ -296,12 +296,16 @@ def test_generate_with_backend_ffi_gives_the_reference_tokens(tiny_pair):
 
 @pytest.mark.parametrize("deployment, sizes", [("tp", (4,)), ("dp_tp", (2, 2))])
 def test_backend_ffi_on_a_mesh_runs_shard_locally_and_generates_like_one_device(tmp_path, deployment, sizes):
+    import math
+
     import dsv4
     from checkpoints.testing import write_tiny_checkpoint
     from dsv4 import sharding as sh
     from tests.test_sharding import SHARDABLE_TINY
     from tests.tolerances import REL
 
+    if len(jax.devices()) < math.prod(sizes):
+        pytest.skip(f"needs {math.prod(sizes)} devices of the default platform")
     write_tiny_checkpoint(SHARDABLE_TINY, tmp_path, seed=5)
     placement = sh.Placement(sh.make_mesh(sh.Deployment(deployment), sizes), sh.Deployment(deployment))
     local = placement.shard_ops(ops_for("ffi"))
@@ -315,3 +319,44 @@ def test_backend_ffi_on_a_mesh_runs_shard_locally_and_generates_like_one_device(
     want = np.asarray(plain.logits([prompts[0]]))
     err = np.max(np.abs(np.asarray(sharded.logits([prompts[0]])) - want)) / np.max(np.abs(want))
     assert err <= REL[np.dtype(np.float32)], err
+
+
+# ---------------------------------------------------------------- GPU: command buffers
+
+# Run in a fresh process: XLA_FLAGS is read once, when the GPU backend starts.
+_COMMAND_BUFFER_CHECK = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+import dsv4
+from checkpoints.testing import write_tiny_checkpoint
+from dsv4.config import TINY
+from dsv4.ops.sparse_attention import ffi as attn_ffi
+
+jax.config.update("jax_default_matmul_precision", "highest")
+q = jnp.ones((1, 2, 4, 64), jnp.float32)
+kv = jnp.ones((1, 8, 64), jnp.float32)
+idx = jnp.zeros((1, 2, 3), jnp.int32)
+hlo = jax.jit(lambda q, kv: attn_ffi.sparse_attention(q * 2, kv, idx, jnp.zeros((4,)), 1.0) + 1).lower(q, kv)
+text = hlo.compile().as_text()
+assert "command_buffer" in text and "dsv4_sparse_attention" in text, text
+cfg = TINY.replace(fake_quant=True)
+write_tiny_checkpoint(cfg, sys.argv[1], seed=3, quantized=True, float_dtype="F32")
+got, want = [dsv4.load_pretrained(sys.argv[1], dtype="float32", quantized=True, fake_quant=True, backend=b)
+             .generate([[1, 2, 3], list(range(5, 40))], 10, max_num_seqs=2, max_num_batched_tokens=32)
+             for b in ("ffi", "reference")]
+assert got == want, (got, want)
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+def test_the_step_runs_under_command_buffers_and_generates_like_the_reference(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    flags = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+    env = dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", _COMMAND_BUFFER_CHECK, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
