@@ -31,6 +31,9 @@ TARGETS = {
 
 LIBRARIES = {"cpu": "libdsv4_ffi_cpu.so", "cuda": "libdsv4_ffi_cuda.so"}
 _SUFFIX = {"cpu": "Cpu", "cuda": "Cuda"}
+# The platform names XLA's registry is keyed by: jax maps "cpu" (and "gpu") to these itself, but a
+# lower-case "cuda" would be kept as is and never reach the CUDA plugin's handlers.
+_XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
 
 BUILD_HINT = (
     "build the kernels with `pip install .` (or `pip install -e .`) from the repository root, which runs "
@@ -66,7 +69,7 @@ def _register(platform: str) -> Path | None:
     lib = ctypes.cdll.LoadLibrary(str(path))
     for target, symbol in TARGETS.items():
         handler = getattr(lib, symbol + _SUFFIX[platform])
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform=platform)
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform=_XLA_PLATFORM[platform])
     return path
 
 
