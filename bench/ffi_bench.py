@@ -2,7 +2,7 @@
 
     python -m bench.ffi_bench [--config flash|tiny] [--decode 1,8,32,64] [--prefill 0] [--context 4096]
         [--kv-format fp8|dense] [--index-format fp4|fp8|dense] [--backends ffi,reference]
-        [--steps 10] [--warmup 2] [--dtype bfloat16] [--hbm-tbps 4.3] [--tflops 790] [--json PATH]
+        [--steps 10] [--warmup 2] [--inner 20] [--dtype bfloat16] [--hbm-tbps 4.3] [--tflops 790] [--json PATH]
 
 Ops and cases (one CSA layer's worth; synthetic tables of random entries in the stored format):
 - sparse_attention: C queries (decode C) or P queries (a prefill chunk of P tokens), each over
@@ -15,7 +15,12 @@ Ops and cases (one CSA layer's worth; synthetic tables of random entries in the 
 Roofline: max(bytes / HBM bandwidth, FLOPs / peak), with the bytes every kernel must move at
 least once (each selected entry read once per query for all heads, q and out, the scores not
 written) and the defaults the issue measured on the H200 (4.3 TB/s, 790 TFLOP/s dense bf16).
-Each call is timed after `--warmup` calls, median of `--steps`, blocking on the result.
+Timing: one jitted program runs the op `--inner` times in a device loop (each call's inputs
+pass an optimization barrier with the loop counter, so XLA can neither hoist nor merge the
+calls; kv_write carries its table through the loop, in place); the program is timed after
+`--warmup` runs, median of `--steps`, divided by `--inner`. This is device time per call with
+the launch gaps of back-to-back kernels but without the host's dispatch of a lone program
+(~0.1 ms on the H200, which dominated every decode figure when each call was its own program).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from bench.step_bench import CONFIGS, DTYPES, _is_oom, _sizes
 from dsv4.config import ModelConfig
@@ -52,6 +58,7 @@ class Settings:
     backends: tuple[str, ...]
     steps: int
     warmup: int
+    inner: int
     dtype_name: str
     hbm_tbps: float
     tflops: float
@@ -140,17 +147,46 @@ OPS: dict[str, tuple[Callable, str]] = {
 _STATIC = {"sparse_attention": (6,), "indexer_topk": (4, 6), "kv_write": ()}
 
 
-def time_call(fn, args, s: Settings) -> tuple[float, float]:
-    """(compile s, median ms) of fn(*args)."""
+def repeated(fn: Callable, args: tuple, static: tuple[int, ...], reps: int, carry_first: bool):
+    """(jitted program, its arguments): `reps` calls of fn(*args) in one device loop.
+
+    carry_first: the first argument is threaded through the loop as fn's result (an in-place
+    update such as table_write); otherwise each call's first output leaf feeds a running sum.
+    """
+    dynamic = [k for k in range(len(args)) if k not in static]
+
+    def call(live):
+        full = list(args)
+        for k, a in zip(dynamic, live):
+            full[k] = a
+        return fn(*full)
+
+    def program(*live):
+        if carry_first:
+            def body(i, carried):
+                rest = lax.optimization_barrier((live[1:], i))[0]
+                return call((carried, *rest))
+            return lax.fori_loop(0, reps, body, live[0])
+
+        def body(i, total):
+            out = call(lax.optimization_barrier((live, i))[0])
+            return total + jax.tree.leaves(out)[0].reshape(-1)[0].astype(jnp.float32)
+        return lax.fori_loop(0, reps, body, jnp.float32(0))
+
+    return jax.jit(program), tuple(args[k] for k in dynamic)
+
+
+def time_call(program, args, s: Settings) -> tuple[float, float]:
+    """(compile s, median ms per call) of a program of s.inner calls."""
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(program(*args))
     compile_s = time.perf_counter() - t0
     times = []
     for i in range(s.warmup + s.steps):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(program(*args))
         if i >= s.warmup:
-            times.append(1e3 * (time.perf_counter() - t0))
+            times.append(1e3 * (time.perf_counter() - t0) / s.inner)
     return compile_s, float(np.median(times))
 
 
@@ -161,9 +197,9 @@ def run_op(op: str, cfg: ModelConfig, case: Case, s: Settings, log) -> dict:
     result = {"op": op, "case": case.name, "queries": case.queries, "bytes": nbytes, "flops": flops,
               "roofline_ms": roofline_ms, "status": "ok"}
     for backend in s.backends:
-        jitted = jax.jit(getattr(ops_for(backend), attr), static_argnums=_STATIC[op])
+        program, live = repeated(getattr(ops_for(backend), attr), args, _STATIC[op], s.inner, op == "kv_write")
         try:
-            compile_s, ms = time_call(jitted, args, s)
+            compile_s, ms = time_call(program, live, s)
         except Exception as e:  # noqa: BLE001 - one backend out of memory must not hide the others' figures
             if not _is_oom(e):
                 raise
@@ -182,7 +218,7 @@ def run_op(op: str, cfg: ModelConfig, case: Case, s: Settings, log) -> dict:
 def command(s: Settings) -> str:
     return (f"python -m bench.ffi_bench --config {s.config_name} --decode {','.join(map(str, s.decode))} "
             f"--prefill {s.prefill} --context {s.context} --kv-format {s.kv_format} --index-format {s.index_format} "
-            f"--steps {s.steps}")
+            f"--steps {s.steps} --inner {s.inner}")
 
 
 def markdown_row(r: dict, meta: dict, s: Settings) -> str:
@@ -213,6 +249,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--backends", default="ffi,reference")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--inner", type=int, default=20, help="calls per timed program (a device loop)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--hbm-tbps", type=float, default=4.3)
     p.add_argument("--tflops", type=float, default=790.0)
@@ -221,10 +258,10 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     backends = tuple(b.strip() for b in a.backends.split(","))
     for b in backends:
         Backend(b)  # a clear error for an unknown backend
-    if a.context % CONFIGS[a.config].csa_ratio or a.prefill < 0:
-        p.error("--context must be a multiple of the CSA ratio and --prefill >= 0")
+    if a.context % CONFIGS[a.config].csa_ratio or a.prefill < 0 or a.inner < 1:
+        p.error("--context must be a multiple of the CSA ratio, --prefill >= 0 and --inner >= 1")
     return Settings(a.config, a.decode, a.prefill, a.context, a.kv_format, a.index_format, backends, a.steps,
-                    a.warmup, a.dtype, a.hbm_tbps, a.tflops, a.json_path)
+                    a.warmup, a.inner, a.dtype, a.hbm_tbps, a.tflops, a.json_path)
 
 
 def _log(msg: str) -> None:

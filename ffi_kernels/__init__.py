@@ -17,6 +17,7 @@ of the installed `dsv4-jax` distribution (an editable install keeps built files 
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.metadata
 from pathlib import Path
 
@@ -62,11 +63,15 @@ def _find_library(file_name: str) -> Path | None:
     return None
 
 
+# platform -> its loaded library (ctypes), for the host-side queries below.
+_LOADED: dict[str, ctypes.CDLL] = {}
+
+
 def _register(platform: str) -> Path | None:
     path = _find_library(LIBRARIES[platform])
     if path is None:
         return None
-    lib = ctypes.cdll.LoadLibrary(str(path))
+    lib = _LOADED[platform] = ctypes.cdll.LoadLibrary(str(path))
     for target, symbol in TARGETS.items():
         handler = getattr(lib, symbol + _SUFFIX[platform])
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform=_XLA_PLATFORM[platform])
@@ -75,6 +80,18 @@ def _register(platform: str) -> Path | None:
 
 # platform -> the library registered for it (only platforms whose library was found).
 REGISTERED: dict[str, Path] = {p: path for p in LIBRARIES if (path := _register(p)) is not None}
+
+
+@functools.cache
+def indexer_on_chip_candidates(platform: str, heads: int, head_dim: int) -> int | None:
+    """The most candidates per query whose score row the indexer kernel keeps on chip (the
+    CUDA kernel's shared memory on the current device), or None when there is no limit (the CPU
+    kernel keeps its own row). Callers pass a [T, S] scores scratch only above this."""
+    if platform != "cuda":
+        return None
+    query = _LOADED[platform].Dsv4IndexerOnChipCandidates
+    query.restype, query.argtypes = ctypes.c_int64, [ctypes.c_int64, ctypes.c_int64]
+    return int(query(heads, head_dim))
 
 
 def platform_of(jax_backend: str) -> str:

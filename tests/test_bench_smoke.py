@@ -99,7 +99,7 @@ def test_ffi_bench_times_each_op_on_both_backends_against_the_roofline(tmp_path)
 
     path = tmp_path / "ffi.json"
     out = ffi_bench.main(["--config", "tiny", "--decode", "2", "--prefill", "32", "--context", "64", "--steps", "2",
-                          "--warmup", "1", "--json", str(path)])
+                          "--warmup", "1", "--inner", "3", "--json", str(path)])
     assert json.loads(path.read_text()) == out
     results = out["results"]
     assert [(r["op"], r["case"]) for r in results] == [

@@ -153,6 +153,26 @@ def test_sparse_attention_paged_matches_the_reference(fmt, dtype, t, with_pool):
     _close(got, want, dtype)
 
 
+@pytest.mark.parametrize("fmt", KV_FORMATS)
+@pytest.mark.parametrize("n, h, rope", [(70, 96, 32), (64, 512, 64)])
+def test_bf16_attention_on_the_tensor_core_path_matches_the_reference(fmt, n, h, rope):
+    # bf16 with a head dim that is a multiple of 32: the CUDA library's tensor-core kernel (64
+    # heads per block, so 70 heads take a second, mostly empty block; 70 selected rows are three
+    # 32-row tiles, the last one partly masked). The CPU library runs its one kernel.
+    rng = np.random.default_rng(h)
+    t, dtype = 3, jnp.bfloat16
+    ring = _table(rng, fmt, 50, h, rope, dtype)
+    fresh = EntryTable.from_values(jnp.asarray(rng.normal(size=(t, h)), dtype), like=ring)
+    window_idx = jnp.asarray(_window_idx(rng, t, 40, ring.rows, t))
+    comp = _table(rng, fmt, 40, h, rope, dtype, scale=2.0)
+    comp_idx = jnp.asarray(_comp_idx(rng, t, 30, comp.rows))
+    q = jnp.asarray(rng.normal(size=(t, n, h)), dtype)
+    sink = jnp.asarray(rng.normal(size=(n,)), jnp.float32)
+    args = (q, (ring, fresh), window_idx, comp, comp_idx, sink, h ** -0.5)
+    _close(jax.jit(attn_ffi.sparse_attention_paged, static_argnums=6)(*args),
+           attn_ref.sparse_attention_paged(*args), dtype)
+
+
 def test_sparse_attention_paged_with_nothing_selected_is_zero():
     rng = np.random.default_rng(0)
     ring = _table(rng, EntryFormat.KV_FP8, 4, 40, 8, jnp.float32)
@@ -207,6 +227,35 @@ def test_indexer_topk_paged_matches_the_reference(fmt, dtype, topk):
     assert got.shape == want.shape == (t, min(topk, pages * epp))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert (np.asarray(got)[0] == -1).all()
+
+
+@pytest.mark.parametrize("fmt", [EntryFormat.INDEX_FP8, EntryFormat.INDEX_FP4])
+def test_indexer_topk_with_a_scores_scratch_matches_the_reference(monkeypatch, fmt):
+    # As if no score row fitted on chip: the kernels get a [T, S] scratch to keep them in.
+    monkeypatch.setattr(ffi_kernels, "indexer_on_chip_candidates", lambda *args: 0)
+    rng = np.random.default_rng(4)
+    t, pages, epp, topk = 6, 6, 4, 16
+    q, w, keys, page_table = _indexer_case(rng, fmt, jnp.bfloat16, t, pages, epp, rows=30)
+    limit = jnp.asarray([0, 3, 5, 24, 30, 17], jnp.int32)
+    want = indexer_ref.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+    got = indexer_ffi.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.gpu
+def test_indexer_topk_beyond_the_on_chip_limit_uses_the_scratch():
+    rng = np.random.default_rng(6)
+    i, j, epp, topk = 2, 16, 1024, 64
+    limit_s = ffi_kernels.indexer_on_chip_candidates("cuda", i, j)
+    pages = limit_s // epp + 2  # S above what shared memory holds
+    keys = _table(rng, EntryFormat.INDEX_FP8, pages * epp, j, 0, jnp.bfloat16)
+    q = jnp.asarray(rng.normal(size=(2, i, j)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(2, i)), jnp.float32)
+    page_table = jnp.asarray(np.stack([np.arange(pages), rng.permutation(pages)]), jnp.int32)
+    limit = jnp.asarray([pages * epp, pages * epp - 100], jnp.int32)
+    want = indexer_ref.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+    got = indexer_ffi.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_indexer_topk_ties_go_to_the_lower_candidate():

@@ -25,12 +25,12 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::F32> w, ffi::AnyBu
   const int64_t t_n = a.t, i_n = a.i, j_n = a.j, p_n = a.p, epp = a.epp, s_n = a.s, k_n = a.k;
   const TableView& keys = a.keys;
 
-  std::vector<float> q_t(i_n * j_n), key(j_n);
+  std::vector<float> q_t(i_n * j_n), key(j_n), own_scores(a.scratch ? 0 : s_n);
   std::vector<int32_t> order;
   for (int64_t t = 0; t < t_n; ++t) {
     for (int64_t e = 0; e < i_n * j_n; ++e) q_t[e] = LoadElem(q.untyped_data(), a.q_type, t * i_n * j_n + e);
     const float* w_t = w.typed_data() + t * i_n;
-    float* score = scores->typed_data() + t * s_n;
+    float* score = a.scratch ? scores->typed_data() + t * s_n : own_scores.data();
     const int64_t visible = keys.rows ? std::clamp<int64_t>(limit.typed_data()[t], 0, s_n) : 0;
     order.resize(visible);
     for (int64_t s = 0; s < visible; ++s) {
@@ -71,6 +71,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4IndexerTopkCpu, dsv4::IndexerTopkImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_table [T, P]; -1 = unallocated
                                   .Arg<ffi::Buffer<ffi::S32>>()  // limit [T]: candidates s < limit are visible
                                   .Ret<ffi::Buffer<ffi::S32>>()  // ids [T, min(topk, S)], -1 = none
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // scores [T, S]: scratch, contents unspecified
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // scores scratch [T, S] or [T, 0] (none)
                                   .Attr<int32_t>("block")      // values per scale byte
                                   .Attr<int32_t>("entries_per_page"));  // S = P x entries_per_page

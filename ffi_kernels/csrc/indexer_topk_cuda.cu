@@ -2,17 +2,21 @@
 // indexer_topk_cpu.cc (same arguments, same semantics).
 //
 // One block per query. (1) One warp per visible candidate computes its score into the query's
-// row of the `scores` scratch result. (2) A radix select over the scores' order-preserving bit
+// score row, kept in shared memory when it fits there (Dsv4IndexerOnChipCandidates: S up to
+// about 49k candidates, ~196k tokens of context at ratio 4, on an H200) and in the `scores`
+// scratch result [T, S] otherwise (then the caller must pass one; [T, 0] means none). (2) A radix select over the scores' order-preserving bit
 // patterns (4 passes of 8 bits) finds the k-th largest. (3) Every candidate above it is kept,
 // and of those equal to it the lowest-numbered ones, in candidate order. (4) A bitonic sort
-// orders the kept ones by (score desc, candidate asc), the reference's order. Correctness
-// first: the fused version that never writes the score row to HBM is the next step.
+// orders the kept ones by (score desc, candidate asc), the reference's order.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 
 #include "cuda_common.h"
 #include "op_args.h"
+
+extern "C" int64_t Dsv4IndexerOnChipCandidates(int64_t i, int64_t j);
 
 namespace dsv4 {
 namespace {
@@ -21,12 +25,38 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxTopk = 2048;
 constexpr int kMaxHeadDim = 256;
-constexpr int kMaxSmemBytes = 40 * 1024;
+constexpr int kMaxSmemBytes = 40 * 1024;  // the q / selection region, before the score row
+
+// Bytes of the q / selection region (q in f32 while scoring, then the kept scores and ids).
+size_t RegionBytes(int64_t i, int64_t j) {
+  return std::max<size_t>(i * j * sizeof(float), kMaxTopk * (sizeof(float) + sizeof(int32_t)));
+}
+
+// The shared memory a block of this device may opt in to (queried once per process).
+int64_t OptInSharedBytes() {
+  static const int64_t bytes = [] {
+    int device = 0, value = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+      return int64_t{48 * 1024};
+    }
+    return static_cast<int64_t>(value);
+  }();
+  return bytes;
+}
+
+// Static shared memory of the kernel (histogram, counters) and slack.
+constexpr int64_t kStaticSharedBytes = 2 * 1024;
 
 // Larger float -> larger key; -0 and +0 share a key (they tie in the reference).
 __device__ __forceinline__ uint32_t OrderKey(float v) {
   const uint32_t b = FloatToBits(v == 0.0f ? 0.0f : v);
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ size_t RegionBytesDevice(int64_t i, int64_t j) {
+  const size_t q = i * j * sizeof(float), sel = kMaxTopk * (sizeof(float) + sizeof(int32_t));
+  return q > sel ? q : sel;
 }
 
 __device__ __forceinline__ bool Before(float sa, int32_t ia, float sb, int32_t ib) {
@@ -44,7 +74,8 @@ __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, Ta
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t visible = keys.rows ? min(max(static_cast<int64_t>(limit[t]), int64_t{0}), s_n) : 0;
   const int64_t kept = min(k_n, visible);
-  float* row_scores = scores + t * s_n;
+  const size_t region = RegionBytesDevice(i_n, j_n);
+  float* row_scores = scores ? scores + t * s_n : reinterpret_cast<float*>(smem + region);
 
   // (1) scores; q staged in shared memory in f32.
   float* q_s = reinterpret_cast<float*>(smem);
@@ -187,17 +218,36 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
   }
   if (a.k > kMaxTopk) return Invalid("the CUDA kernel keeps at most 2048 entries per query");
   if (a.j > kMaxHeadDim) return Invalid("indexer head dim above 256 is not supported by the CUDA kernel");
-  const size_t smem = std::max<size_t>(a.i * a.j * sizeof(float), kMaxTopk * (sizeof(float) + sizeof(int32_t)));
-  if (smem > kMaxSmemBytes) return Invalid("indexer heads x head dim exceed the CUDA kernel's shared memory");
+  if (RegionBytes(a.i, a.j) > kMaxSmemBytes) {
+    return Invalid("indexer heads x head dim exceed the CUDA kernel's shared memory");
+  }
+  const bool on_chip = a.s <= Dsv4IndexerOnChipCandidates(a.i, a.j);
+  if (!on_chip && !a.scratch) {
+    return Invalid("the score rows do not fit in shared memory: pass a scores scratch [T, S]");
+  }
   if (a.t == 0 || a.k == 0) return ffi::Error::Success();
+  const size_t smem = RegionBytes(a.i, a.j) + (on_chip ? a.s * sizeof(float) : 0);
+  // Once per process: allow the device's whole opt-in shared memory (above the 48 KB default).
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      IndexerTopkKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      static_cast<int>(OptInSharedBytes() - kStaticSharedBytes));
+  if (attr != cudaSuccess) return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr));
   IndexerTopkKernel<<<static_cast<unsigned>(a.t), kThreads, smem, stream>>>(
       q.untyped_data(), a.q_type, w.typed_data(), a.keys, page_table.typed_data(), a.p, a.epp, limit.typed_data(),
-      scores->typed_data(), ids->typed_data(), a.i, a.j, a.k);
+      on_chip ? nullptr : scores->typed_data(), ids->typed_data(), a.i, a.j, a.k);
   return LastCudaError("IndexerTopkKernel");
 }
 
 }  // namespace
 }  // namespace dsv4
+
+// The most candidates per query whose score row the CUDA kernel keeps in shared memory on the
+// current device, for i heads of dim j (0 if none fit). Called by the handler and, through
+// ctypes, by dsv4/ops/indexer_topk/ffi.py to decide whether to pass a scores scratch.
+extern "C" int64_t Dsv4IndexerOnChipCandidates(int64_t i, int64_t j) {
+  const int64_t free = dsv4::OptInSharedBytes() - dsv4::kStaticSharedBytes - static_cast<int64_t>(dsv4::RegionBytes(i, j));
+  return free > 0 ? free / static_cast<int64_t>(sizeof(float)) : 0;
+}
 
 namespace ffi = xla::ffi;
 
@@ -213,7 +263,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4IndexerTopkCuda, dsv4::IndexerTopkCuda,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_table
                                   .Arg<ffi::Buffer<ffi::S32>>()  // limit
                                   .Ret<ffi::Buffer<ffi::S32>>()  // ids
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // scores scratch [T, S]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // scores scratch [T, S] or [T, 0] (none)
                                   .Attr<int32_t>("block")
                                   .Attr<int32_t>("entries_per_page"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -48,6 +48,7 @@ inline ffi::Error ParseAttention(const ffi::AnyBuffer& q, const ffi::AnyBuffer (
 struct IndexerArgs {
   Elem q_type;
   int64_t t, i, j, p, epp, s, k;  // queries, heads, head dim, pages, entries per page, S = p x epp, kept slots
+  bool scratch;  // scores scratch given ([T, S]); else [T, 0] and the kernel keeps the score rows itself
   TableView keys;
 };
 
@@ -73,9 +74,10 @@ inline ffi::Error ParseIndexer(const ffi::AnyBuffer& q, const ffi::Buffer<ffi::F
     return Invalid("ids must be [T, k] with k <= S");
   }
   a->k = ids_dims[1];
-  if (scores_dims.size() != 2 || scores_dims[0] != a->t || scores_dims[1] != a->s) {
-    return Invalid("scores scratch must be [T, S]");
+  if (scores_dims.size() != 2 || scores_dims[0] != a->t || (scores_dims[1] != a->s && scores_dims[1] != 0)) {
+    return Invalid("scores scratch must be [T, S] or [T, 0]");
   }
+  a->scratch = scores_dims[1] == a->s && a->s > 0;
   return ffi::Error::Success();
 }
 

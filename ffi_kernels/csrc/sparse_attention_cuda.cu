@@ -1,11 +1,17 @@
 // sparse_attention on CUDA: the twin of dsv4/ops/sparse_attention/reference.py and of
-// sparse_attention_cpu.cc (same arguments, same semantics).
+// sparse_attention_cpu.cc (same arguments, same semantics). Two kernels:
 //
-// Grid (T, ceil(N / kHeadsPerBlock)); one warp per head. The block walks the query's slots in
-// chunks of kChunk rows: the chunk's rows are decoded once into shared memory (f32) and read by
-// all the block's heads, whose softmax runs online (running max and denominator, started at
-// the sink: m = sink, l = 1). No tensor cores yet: this is the correctness-first version that
-// the roofline benchmark (bench/ffi_bench.py) measures against.
+// TensorCoreAttentionKernel (bf16 q; tables of bf16 or e4m3 values with bf16 rope; head dim a
+// multiple of 32 up to 512): one block per (query, 64 heads), 8 warps. Each tile of kTile
+// selected rows is gathered and decoded once into shared memory as bf16 (e4m3 x E8M0 is exact
+// in bf16) and used by all 64 heads: S = Q K^T and O += P V run on mma.sync m16n8k16 (bf16 in,
+// f32 accumulate; SM80+ instructions, so the same code serves SM90 and SM120). Warp w owns
+// heads 16 (w % 4) .. +16 and output columns (w / 4) * H/2 .. +H/2; the two warps of a head
+// group both compute its S (the price of keeping a 16 x 256 f32 accumulator per warp in
+// registers). Softmax online with the sink as the starting max (m = sink, l = 1), in base 2.
+//
+// ScalarAttentionKernel (everything else: f32 inputs, odd widths): one warp per head, f32 FMA.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "cuda_common.h"
@@ -39,7 +45,7 @@ __device__ Slot ResolveSlot(int64_t j, int64_t w_n, const int32_t* window_idx, c
   return {2, c};
 }
 
-__global__ void SparseAttentionKernel(const void* q, Elem q_type, TableView ring, TableView fresh, TableView comp,
+__global__ void ScalarAttentionKernel(const void* q, Elem q_type, TableView ring, TableView fresh, TableView comp,
                                       const int32_t* window_idx, int64_t w_n, const int32_t* comp_idx, int64_t x_n,
                                       const float* sink, void* out, int64_t n_n, int64_t h_n, float scale) {
   __shared__ float kv[kChunk][kMaxHeadDim];
@@ -106,6 +112,246 @@ __global__ void SparseAttentionKernel(const void* q, Elem q_type, TableView ring
   }
 }
 
+// ---------------------------------------------------------------- tensor-core path
+
+constexpr int kTcHeads = 64;  // heads per block: 4 groups of 16 (the mma's M)
+constexpr int kTcThreads = 256;
+constexpr int kTile = 32;  // selected rows per shared-memory tile
+// Row padding in bf16 elements: consecutive rows start 16 B apart modulo 128 B, so the eight
+// row addresses of an ldmatrix hit different banks.
+constexpr int kPad = 8;
+constexpr int kMaxOutBlocks = kMaxHeadDim / 2 / 8;  // 8-column blocks of a warp's output half
+constexpr float kLog2e = 1.4426950408889634f;
+
+int TensorCoreSharedBytes(int64_t h) { return static_cast<int>((kTcHeads + kTile) * (h + kPad) * 2); }
+
+struct TableViews {
+  TableView t[3];  // ring, fresh, compressed
+};
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+
+// d += a b with a 16x16 bf16 (row major), b 16x8 bf16 (column major), d 16x8 f32.
+__device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  return static_cast<uint32_t>(FloatToBf16(lo)) | (static_cast<uint32_t>(FloatToBf16(hi)) << 16);
+}
+
+// Entries k0 .. k0+7 of a row (k0 a multiple of 8, the 8 in one part and one scale block) as
+// eight bf16 in one 16-byte word.
+__device__ __forceinline__ uint4 DecodeEight(const TableView& t, int64_t row, int64_t k0) {
+  if (k0 >= t.values_width) {
+    return *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(t.rope) + row * t.rope_width +
+                                           (k0 - t.values_width));
+  }
+  const int64_t i = row * t.values_width + k0;
+  float v[8];
+  if (t.values_type == Elem::kE4m3) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(t.values) + i);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = E4m3ToFloat(((e < 4 ? raw.x : raw.y) >> (8 * (e % 4))) & 0xffu);
+  } else {
+    const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(t.values) + i);
+    if (!t.scales_width) return raw;
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = Bf16ToFloat(static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2))));
+  }
+  const float scale = t.scales_width ? E8m0ToFloat(t.scales[row * t.scales_width + k0 / t.block]) : 1.0f;
+  return make_uint4(PackBf16(v[0] * scale, v[1] * scale), PackBf16(v[2] * scale, v[3] * scale),
+                    PackBf16(v[4] * scale, v[5] * scale), PackBf16(v[6] * scale, v[7] * scale));
+}
+
+__device__ __forceinline__ float QuadMax(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+__device__ __forceinline__ float QuadSum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// Fragment layout of mma m16n8 (PTX ISA): lane = 4 g + c holds rows g and g + 8 of the tile,
+// columns 2c and 2c + 1 (d[0], d[1] row g; d[2], d[3] row g + 8).
+__global__ void __launch_bounds__(kTcThreads)
+    TensorCoreAttentionKernel(const uint16_t* q, TableViews tables, const int32_t* window_idx, int64_t w_n,
+                              const int32_t* comp_idx, int64_t x_n, const float* sink, uint16_t* out, int64_t n_n,
+                              int64_t h_n, float scale_log2) {
+  extern __shared__ __align__(16) uint16_t smem[];
+  __shared__ Slot slots[kTile];
+  __shared__ TableView views[3];
+  const int ld = static_cast<int>(h_n) + kPad;
+  uint16_t* q_s = smem;                // [kTcHeads][ld]
+  uint16_t* kv_s = smem + kTcHeads * ld;  // [kTile][ld]
+  const int64_t t = blockIdx.x, head0 = static_cast<int64_t>(blockIdx.y) * kTcHeads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = warp % 4, half = warp / 4, g = lane / 4, c = lane % 4;
+  const int chunks = static_cast<int>(h_n / 8);  // 16-byte chunks per row
+
+  if (threadIdx.x < 3) views[threadIdx.x] = tables.t[threadIdx.x];
+  for (int e = threadIdx.x; e < kTcHeads * chunks; e += kTcThreads) {
+    const int r = e / chunks, k = 8 * (e % chunks);
+    const int64_t head = head0 + r;
+    const uint4 v = head < n_n ? *reinterpret_cast<const uint4*>(q + (t * n_n + head) * h_n + k) : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(q_s + r * ld + k) = v;
+  }
+
+  const int64_t head_lo = head0 + group * 16 + g, head_hi = head_lo + 8;
+  float m_lo = head_lo < n_n ? sink[head_lo] * kLog2e : 0.0f;
+  float m_hi = head_hi < n_n ? sink[head_hi] * kLog2e : 0.0f;
+  float l_lo = c == 0 ? 1.0f : 0.0f, l_hi = l_lo;  // the sink's exp(0), counted once per quad
+  const int out_blocks = static_cast<int>(h_n / 16), col0 = half * static_cast<int>(h_n / 2);
+  float o[kMaxOutBlocks][4];
+#pragma unroll
+  for (int b = 0; b < kMaxOutBlocks; ++b) o[b][0] = o[b][1] = o[b][2] = o[b][3] = 0.0f;
+
+  const int64_t total = w_n + x_n;
+  for (int64_t base = 0; base < total; base += kTile) {
+    __syncthreads();  // the previous tile is consumed
+    if (threadIdx.x < kTile) {
+      const int64_t j = base + threadIdx.x;
+      slots[threadIdx.x] = j < total ? ResolveSlot(j, w_n, window_idx + t * w_n, comp_idx + t * x_n,
+                                                   views[0].rows, views[1].rows, views[2].rows)
+                                     : Slot{-1, 0};
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < kTile * chunks; e += kTcThreads) {
+      const int r = e / chunks, k = 8 * (e % chunks);
+      const Slot s = slots[r];
+      *reinterpret_cast<uint4*>(kv_s + r * ld + k) = s.table >= 0 ? DecodeEight(views[s.table], s.row, k)
+                                                                  : make_uint4(0, 0, 0, 0);
+    }
+    __syncthreads();
+
+    // S = Q K^T: this group's 16 heads x the tile's rows.
+    float sc[kTile / 8][4];
+#pragma unroll
+    for (int b = 0; b < kTile / 8; ++b) sc[b][0] = sc[b][1] = sc[b][2] = sc[b][3] = 0.0f;
+    for (int k0 = 0; k0 < h_n; k0 += 16) {
+      uint32_t a[4];
+      LdMatrixX4(a, q_s + (group * 16 + lane % 16) * ld + k0 + (lane / 16) * 8);
+#pragma unroll
+      for (int b = 0; b < kTile / 8; b += 2) {
+        uint32_t kb[4];
+        const int m = lane / 8;
+        LdMatrixX4(kb, kv_s + (b * 8 + (m / 2) * 8 + lane % 8) * ld + k0 + (m % 2) * 8);
+        Mma(sc[b], a, kb[0], kb[1]);
+        Mma(sc[b + 1], a, kb[2], kb[3]);
+      }
+    }
+
+    // Online softmax (base 2), unselected rows masked out.
+    float max_lo = m_lo, max_hi = m_hi;
+#pragma unroll
+    for (int b = 0; b < kTile / 8; ++b) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const bool valid = slots[b * 8 + 2 * c + i].table >= 0;
+        sc[b][i] = valid ? sc[b][i] * scale_log2 : -INFINITY;
+        sc[b][2 + i] = valid ? sc[b][2 + i] * scale_log2 : -INFINITY;
+        max_lo = fmaxf(max_lo, sc[b][i]);
+        max_hi = fmaxf(max_hi, sc[b][2 + i]);
+      }
+    }
+    max_lo = QuadMax(max_lo), max_hi = QuadMax(max_hi);
+    const float c_lo = exp2f(m_lo - max_lo), c_hi = exp2f(m_hi - max_hi);
+    m_lo = max_lo, m_hi = max_hi;
+    float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+    for (int b = 0; b < kTile / 8; ++b) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        sc[b][i] = exp2f(sc[b][i] - m_lo);
+        sc[b][2 + i] = exp2f(sc[b][2 + i] - m_hi);
+        sum_lo += sc[b][i];
+        sum_hi += sc[b][2 + i];
+      }
+    }
+    l_lo = l_lo * c_lo + sum_lo, l_hi = l_hi * c_hi + sum_hi;
+#pragma unroll
+    for (int b = 0; b < kMaxOutBlocks; ++b) {
+      o[b][0] *= c_lo, o[b][1] *= c_lo, o[b][2] *= c_hi, o[b][3] *= c_hi;
+    }
+
+    // O += P V over this warp's output half; P's accumulator fragments are the A fragments.
+#pragma unroll
+    for (int ks = 0; ks < kTile / 16; ++ks) {
+      const uint32_t a[4] = {PackBf16(sc[2 * ks][0], sc[2 * ks][1]), PackBf16(sc[2 * ks][2], sc[2 * ks][3]),
+                             PackBf16(sc[2 * ks + 1][0], sc[2 * ks + 1][1]),
+                             PackBf16(sc[2 * ks + 1][2], sc[2 * ks + 1][3])};
+#pragma unroll
+      for (int b = 0; b < kMaxOutBlocks; b += 2) {
+        if (b < out_blocks) {
+          uint32_t vb[4];
+          const int m = lane / 8;
+          LdMatrixX4Trans(vb, kv_s + (ks * 16 + (m % 2) * 8 + lane % 8) * ld + col0 + b * 8 + (m / 2) * 8);
+          Mma(o[b], a, vb[0], vb[1]);
+          Mma(o[b + 1], a, vb[2], vb[3]);
+        }
+      }
+    }
+  }
+
+  const float inv_lo = 1.0f / QuadSum(l_lo), inv_hi = 1.0f / QuadSum(l_hi);
+#pragma unroll
+  for (int b = 0; b < kMaxOutBlocks; ++b) {
+    if (b >= out_blocks) break;
+    const int64_t col = col0 + b * 8 + 2 * c;
+    if (head_lo < n_n) {
+      *reinterpret_cast<uint32_t*>(out + (t * n_n + head_lo) * h_n + col) = PackBf16(o[b][0] * inv_lo, o[b][1] * inv_lo);
+    }
+    if (head_hi < n_n) {
+      *reinterpret_cast<uint32_t*>(out + (t * n_n + head_hi) * h_n + col) = PackBf16(o[b][2] * inv_hi, o[b][3] * inv_hi);
+    }
+  }
+}
+
+// Whether the tensor-core kernel serves these arguments (else the scalar kernel does).
+bool TensorCoreServes(const AttentionArgs& a) {
+  if (a.q_type != Elem::kBf16 || a.h % 32 != 0 || a.h > kMaxHeadDim) return false;
+  for (const TableView* t : {&a.ring, &a.fresh, &a.comp}) {
+    if (t->rows == 0) continue;  // never read
+    if (t->values_type != Elem::kBf16 && t->values_type != Elem::kE4m3) return false;
+    if (t->values_width % 8 != 0 || (t->scales_width != 0 && t->block % 8 != 0)) return false;
+    if (t->rope_width != 0 && (t->rope_type != Elem::kBf16 || t->rope_width % 8 != 0)) return false;
+  }
+  return true;
+}
+
+ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const void* q, const int32_t* window_idx,
+                            const int32_t* comp_idx, const float* sink, void* out, float scale) {
+  // Once per process: allow the largest tile set (head dim 512) above the 48 KB default.
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      TensorCoreAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, TensorCoreSharedBytes(kMaxHeadDim));
+  if (attr != cudaSuccess) return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr));
+  const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.n + kTcHeads - 1) / kTcHeads));
+  TensorCoreAttentionKernel<<<grid, kTcThreads, TensorCoreSharedBytes(a.h), stream>>>(
+      static_cast<const uint16_t*>(q), TableViews{{a.ring, a.fresh, a.comp}}, window_idx, a.w, comp_idx, a.x, sink,
+      static_cast<uint16_t*>(out), a.n, a.h, scale * kLog2e);
+  return LastCudaError("TensorCoreAttentionKernel");
+}
+
 ffi::Error SparseAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer ring_values,
                                ffi::AnyBuffer ring_scales, ffi::AnyBuffer ring_rope, ffi::AnyBuffer fresh_values,
                                ffi::AnyBuffer fresh_scales, ffi::AnyBuffer fresh_rope, ffi::Buffer<ffi::S32> window_idx,
@@ -121,11 +367,15 @@ ffi::Error SparseAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   }
   if (a.h > kMaxHeadDim) return Invalid("head dim above 512 is not supported by the CUDA kernel");
   if (a.t == 0 || a.n == 0) return ffi::Error::Success();
+  if (TensorCoreServes(a)) {
+    return LaunchTensorCore(stream, a, q.untyped_data(), window_idx.typed_data(), comp_idx.typed_data(),
+                            sink.typed_data(), out->untyped_data(), scale);
+  }
   const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.n + kHeadsPerBlock - 1) / kHeadsPerBlock));
-  SparseAttentionKernel<<<grid, 32 * kHeadsPerBlock, 0, stream>>>(
+  ScalarAttentionKernel<<<grid, 32 * kHeadsPerBlock, 0, stream>>>(
       q.untyped_data(), a.q_type, a.ring, a.fresh, a.comp, window_idx.typed_data(), a.w, comp_idx.typed_data(), a.x,
       sink.typed_data(), out->untyped_data(), a.n, a.h, scale);
-  return LastCudaError("SparseAttentionKernel");
+  return LastCudaError("ScalarAttentionKernel");
 }
 
 }  // namespace
