@@ -2,6 +2,7 @@
 
     python -m bench.ffi_bench [--config flash|tiny] [--decode 1,8,32,64] [--prefill 0] [--context 4096]
         [--kv-format fp8|dense] [--index-format fp4|fp8|dense] [--backends ffi,reference]
+        [--ops sparse_attention,indexer_topk,kv_write]
         [--steps 10] [--warmup 2] [--inner 20] [--dtype bfloat16] [--hbm-tbps 4.3] [--tflops 790] [--json PATH]
 
 Ops and cases (one CSA layer's worth; synthetic tables of random entries in the stored format):
@@ -56,6 +57,7 @@ class Settings:
     kv_format: str
     index_format: str
     backends: tuple[str, ...]
+    ops: tuple[str, ...]
     steps: int
     warmup: int
     inner: int
@@ -218,6 +220,7 @@ def run_op(op: str, cfg: ModelConfig, case: Case, s: Settings, log) -> dict:
 def command(s: Settings) -> str:
     return (f"python -m bench.ffi_bench --config {s.config_name} --decode {','.join(map(str, s.decode))} "
             f"--prefill {s.prefill} --context {s.context} --kv-format {s.kv_format} --index-format {s.index_format} "
+            f"--backends {','.join(s.backends)} --ops {','.join(s.ops)} "
             f"--steps {s.steps} --inner {s.inner}")
 
 
@@ -247,6 +250,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--kv-format", choices=sorted(KV_FORMATS), default="fp8")
     p.add_argument("--index-format", choices=sorted(INDEX_FORMATS), default="fp4")
     p.add_argument("--backends", default="ffi,reference")
+    p.add_argument("--ops", default=",".join(OPS), help="which ops to time")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--inner", type=int, default=20, help="calls per timed program (a device loop)")
@@ -258,9 +262,12 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     backends = tuple(b.strip() for b in a.backends.split(","))
     for b in backends:
         Backend(b)  # a clear error for an unknown backend
+    ops = tuple(o.strip() for o in a.ops.split(","))
+    if not set(ops) <= set(OPS):
+        p.error(f"--ops: unknown {sorted(set(ops) - set(OPS))}; choose from {list(OPS)}")
     if a.context % CONFIGS[a.config].csa_ratio or a.prefill < 0 or a.inner < 1:
         p.error("--context must be a multiple of the CSA ratio, --prefill >= 0 and --inner >= 1")
-    return Settings(a.config, a.decode, a.prefill, a.context, a.kv_format, a.index_format, backends, a.steps,
+    return Settings(a.config, a.decode, a.prefill, a.context, a.kv_format, a.index_format, backends, ops, a.steps,
                     a.warmup, a.inner, a.dtype, a.hbm_tbps, a.tflops, a.json_path)
 
 
@@ -278,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         cases.append(Case(f"prefill {s.prefill}", s.prefill, 1, s.prefill))
     results = []
     for case in cases:
-        for op in OPS:
+        for op in s.ops:
             results.append(run_op(op, cfg, case, s, _log))
             if s.json_path:
                 with open(s.json_path, "w") as f:

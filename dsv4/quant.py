@@ -374,8 +374,14 @@ def hadamard_rotate(x: ArrayLike) -> jax.Array:
     x = jnp.asarray(x)
     n = x.shape[-1]
     h = hadamard_matrix(n)
-    y = jnp.matmul(x.astype(jnp.float32), h, precision=jax.lax.Precision.HIGHEST)
-    return (y * (1.0 / math.sqrt(n))).astype(x.dtype)
+    y = jnp.matmul(x.astype(jnp.float32), h, precision=jax.lax.Precision.HIGHEST) * (1.0 / math.sqrt(n))
+    if x.dtype != jnp.float32:
+        # An explicit rounding: XLA on GPU may drop a bare f32 -> bf16 -> f32 convert pair inside a
+        # fusion (excess precision), which would quantise the unrounded rotation there and the
+        # rounded one wherever the rotation is materialised (the FFI kv_write's input).
+        info = jnp.finfo(x.dtype)
+        y = jax.lax.reduce_precision(y, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return y.astype(x.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block",))

@@ -245,7 +245,7 @@ def test_indexer_topk_with_a_scores_scratch_matches_the_reference(monkeypatch, f
 @pytest.mark.gpu
 def test_indexer_topk_beyond_the_on_chip_limit_uses_the_scratch():
     rng = np.random.default_rng(6)
-    i, j, epp, topk = 2, 16, 1024, 64
+    i, j, epp, topk = 2, 32, 1024, 64
     limit_s = ffi_kernels.indexer_on_chip_candidates("cuda", i, j)
     pages = limit_s // epp + 2  # S above what shared memory holds
     keys = _table(rng, EntryFormat.INDEX_FP8, pages * epp, j, 0, jnp.bfloat16)

@@ -122,6 +122,7 @@ constexpr int kTile = 32;  // selected rows per shared-memory tile
 constexpr int kPad = 8;
 constexpr int kMaxOutBlocks = kMaxHeadDim / 2 / 8;  // 8-column blocks of a warp's output half
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kFill = kTile * (kMaxHeadDim / 8) / kTcThreads;  // 16-byte chunks per thread per tile
 
 int TensorCoreSharedBytes(int64_t h) { return static_cast<int>((kTcHeads + kTile) * (h + kPad) * 2); }
 
@@ -157,27 +158,40 @@ __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   return static_cast<uint32_t>(FloatToBf16(lo)) | (static_cast<uint32_t>(FloatToBf16(hi)) << 16);
 }
 
-// Entries k0 .. k0+7 of a row (k0 a multiple of 8, the 8 in one part and one scale block) as
-// eight bf16 in one 16-byte word.
-__device__ __forceinline__ uint4 DecodeEight(const TableView& t, int64_t row, int64_t k0) {
+// Entries k0 .. k0+7 of a row (k0 a multiple of 8; the 8 lie in one part and one scale block),
+// loaded raw (so that a thread's loads for a whole tile are in flight together) and then
+// decoded to eight bf16 in one 16-byte word.
+struct RawEight {
+  uint4 bits;     // 8 bf16 (rope, bf16 values) or 8 e4m3 in .x/.y
+  uint8_t scale;  // E8M0 byte (127 = 1 when the part is unscaled)
+};
+
+__device__ __forceinline__ RawEight LoadEight(const TableView& t, int64_t row, int64_t k0) {
   if (k0 >= t.values_width) {
-    return *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(t.rope) + row * t.rope_width +
-                                           (k0 - t.values_width));
+    return {*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(t.rope) + row * t.rope_width +
+                                            (k0 - t.values_width)),
+            127};
   }
   const int64_t i = row * t.values_width + k0;
-  float v[8];
+  const uint8_t scale = t.scales_width ? t.scales[row * t.scales_width + k0 / t.block] : uint8_t{127};
   if (t.values_type == Elem::kE4m3) {
     const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(t.values) + i);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = E4m3ToFloat(((e < 4 ? raw.x : raw.y) >> (8 * (e % 4))) & 0xffu);
-  } else {
-    const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(t.values) + i);
-    if (!t.scales_width) return raw;
-    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = Bf16ToFloat(static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2))));
+    return {make_uint4(raw.x, raw.y, 0, 0), scale};
   }
-  const float scale = t.scales_width ? E8m0ToFloat(t.scales[row * t.scales_width + k0 / t.block]) : 1.0f;
+  return {*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(t.values) + i), scale};
+}
+
+__device__ __forceinline__ uint4 DecodeEight(const TableView& t, int64_t k0, const RawEight& r) {
+  const bool e4m3 = k0 < t.values_width && t.values_type == Elem::kE4m3;
+  if (!e4m3 && r.scale == 127) return r.bits;  // bf16 as stored
+  const float scale = E8m0ToFloat(r.scale);
+  const uint32_t words[4] = {r.bits.x, r.bits.y, r.bits.z, r.bits.w};
+  float v[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    v[e] = e4m3 ? E4m3ToFloat((words[e / 4] >> (8 * (e % 4))) & 0xffu)
+                : Bf16ToFloat(static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2))));
+  }
   return make_uint4(PackBf16(v[0] * scale, v[1] * scale), PackBf16(v[2] * scale, v[3] * scale),
                     PackBf16(v[4] * scale, v[5] * scale), PackBf16(v[6] * scale, v[7] * scale));
 }
@@ -236,11 +250,21 @@ __global__ void __launch_bounds__(kTcThreads)
                                      : Slot{-1, 0};
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < kTile * chunks; e += kTcThreads) {
-      const int r = e / chunks, k = 8 * (e % chunks);
-      const Slot s = slots[r];
-      *reinterpret_cast<uint4*>(kv_s + r * ld + k) = s.table >= 0 ? DecodeEight(views[s.table], s.row, k)
-                                                                  : make_uint4(0, 0, 0, 0);
+    // All of this thread's loads first, then the decodes: kFill loads in flight, not one.
+    RawEight raw[kFill];
+#pragma unroll
+    for (int u = 0; u < kFill; ++u) {
+      const int e = threadIdx.x + u * kTcThreads, r = e / chunks, k = 8 * (e % chunks);
+      raw[u] = {make_uint4(0, 0, 0, 0), 127};
+      if (e < kTile * chunks && slots[r].table >= 0) raw[u] = LoadEight(views[slots[r].table], slots[r].row, k);
+    }
+#pragma unroll
+    for (int u = 0; u < kFill; ++u) {
+      const int e = threadIdx.x + u * kTcThreads, r = e / chunks, k = 8 * (e % chunks);
+      if (e < kTile * chunks) {
+        *reinterpret_cast<uint4*>(kv_s + r * ld + k) =
+            slots[r].table >= 0 ? DecodeEight(views[slots[r].table], k, raw[u]) : make_uint4(0, 0, 0, 0);
+      }
     }
     __syncthreads();
 
