@@ -94,6 +94,16 @@ def indexer_on_chip_candidates(platform: str, heads: int, head_dim: int) -> int 
     return int(query(heads, head_dim))
 
 
+@functools.cache
+def multiprocessors(platform: str) -> int | None:
+    """The current CUDA device's multiprocessor count (None off CUDA, or if it cannot be read)."""
+    if platform != "cuda":
+        return None
+    query = _LOADED[platform].Dsv4MultiprocessorCount
+    query.restype, query.argtypes = ctypes.c_int64, []
+    return int(query()) or None
+
+
 def platform_of(jax_backend: str) -> str:
     """The library platform serving a JAX backend name ("cpu" -> "cpu", "gpu"/"cuda" -> "cuda")."""
     return "cuda" if jax_backend in ("gpu", "cuda") else jax_backend

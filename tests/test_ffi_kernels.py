@@ -155,12 +155,14 @@ def test_sparse_attention_paged_matches_the_reference(fmt, dtype, t, with_pool):
 
 @pytest.mark.parametrize("fmt", KV_FORMATS)
 @pytest.mark.parametrize("n, h, rope", [(70, 96, 32), (64, 512, 64)])
-def test_bf16_attention_on_the_tensor_core_path_matches_the_reference(fmt, n, h, rope):
+@pytest.mark.parametrize("t", [3, 200])
+def test_bf16_attention_on_the_tensor_core_path_matches_the_reference(fmt, n, h, rope, t):
     # bf16 with a head dim that is a multiple of 32: the CUDA library's tensor-core kernel (64
     # heads per block, so 70 heads take a second, mostly empty block; 70 selected rows are three
-    # 32-row tiles, the last one partly masked). The CPU library runs its one kernel.
+    # 32-row tiles, the last one partly masked); 3 queries split their rows over blocks
+    # (split_parts), 200 do not. The CPU library runs its one kernel.
     rng = np.random.default_rng(h)
-    t, dtype = 3, jnp.bfloat16
+    dtype = jnp.bfloat16
     ring = _table(rng, fmt, 50, h, rope, dtype)
     fresh = EntryTable.from_values(jnp.asarray(rng.normal(size=(t, h)), dtype), like=ring)
     window_idx = jnp.asarray(_window_idx(rng, t, 40, ring.rows, t))
@@ -171,6 +173,33 @@ def test_bf16_attention_on_the_tensor_core_path_matches_the_reference(fmt, n, h,
     args = (q, (ring, fresh), window_idx, comp, comp_idx, sink, h ** -0.5)
     _close(jax.jit(attn_ffi.sparse_attention_paged, static_argnums=6)(*args),
            attn_ref.sparse_attention_paged(*args), dtype)
+
+
+def test_decode_splits_each_query_until_the_gpu_is_busy(monkeypatch):
+    monkeypatch.setattr(ffi_kernels, "multiprocessors", lambda platform: 132)
+    q = lambda t, n=64, h=512, dtype=jnp.bfloat16: jax.ShapeDtypeStruct((t, n, h), dtype)  # noqa: E731
+    assert attn_ffi.split_parts(q(1), 640) == 20  # one 32-row tile per part
+    assert attn_ffi.split_parts(q(64), 640) == 3  # 64 blocks x 3 ~ one per multiprocessor
+    assert attn_ffi.split_parts(q(32, n=128), 640) == 3  # two head blocks per query
+    assert attn_ffi.split_parts(q(200), 640) == 1  # prefill fills the GPU unsplit
+    assert attn_ffi.split_parts(q(1, dtype=jnp.float32), 640) == 1  # the scalar kernel does not split
+    assert attn_ffi.split_parts(q(1, h=80), 640) == 1
+    monkeypatch.setattr(ffi_kernels, "multiprocessors", lambda platform: None)
+    assert attn_ffi.split_parts(q(1), 640) == 1  # off CUDA
+
+
+def test_a_split_scratch_leaves_the_result_unchanged(monkeypatch):
+    # On CUDA the split parts are merged by CombineSplitsKernel; every library accepts the scratch.
+    rng = np.random.default_rng(8)
+    t, n, h, rope = 2, 6, 64, 16
+    ring = _table(rng, EntryFormat.KV_FP8, 40, h, rope, jnp.bfloat16)
+    fresh = EntryTable.from_values(jnp.asarray(rng.normal(size=(t, h)), jnp.bfloat16), like=ring)
+    window_idx = jnp.asarray(_window_idx(rng, t, 70, ring.rows, t))
+    q = jnp.asarray(rng.normal(size=(t, n, h)), jnp.bfloat16)
+    sink = jnp.asarray(rng.normal(size=(n,)), jnp.float32)
+    args = (q, (ring, fresh), window_idx, None, None, sink, h ** -0.5)
+    monkeypatch.setattr(attn_ffi, "split_parts", lambda q, slots: 3)
+    _close(attn_ffi.sparse_attention_paged(*args), attn_ref.sparse_attention_paged(*args), jnp.bfloat16)
 
 
 def test_sparse_attention_paged_with_nothing_selected_is_zero():

@@ -17,14 +17,28 @@ inline std::optional<Elem> FloatElem(const ffi::AnyBuffer& b) {
 struct AttentionArgs {
   Elem q_type;
   int64_t t, n, h, w, x;  // queries, heads, head dim, window slots, compressed slots
+  int64_t splits;         // parts of each query's slots run by separate blocks (CUDA; 1 = unsplit)
   TableView ring, fresh, comp;
 };
+
+// The split scratch results [S, T, N, H] (partial outputs) and [S, T, N, 2] (their max and
+// denominator), f32; S = 0 (nothing allocated) or 1 means unsplit. Only the CUDA kernel uses them.
+inline ffi::Error ParseSplitScratch(ffi::Span<const int64_t> o_dims, ffi::Span<const int64_t> ml_dims,
+                                    AttentionArgs* a) {
+  const bool o_ok = o_dims.size() == 4 && o_dims[1] == a->t && o_dims[2] == a->n && o_dims[3] == a->h;
+  const bool ml_ok = ml_dims.size() == 4 && ml_dims[0] == o_dims[0] && ml_dims[1] == a->t && ml_dims[2] == a->n &&
+                     ml_dims[3] == 2;
+  if (!o_ok || !ml_ok) return Invalid("split scratch must be [S, T, N, H] and [S, T, N, 2]");
+  a->splits = o_dims[0] > 1 ? o_dims[0] : 1;
+  return ffi::Error::Success();
+}
 
 inline ffi::Error ParseAttention(const ffi::AnyBuffer& q, const ffi::AnyBuffer (&ring)[3],
                                  const ffi::AnyBuffer (&fresh)[3], const ffi::Buffer<ffi::S32>& window_idx,
                                  const ffi::AnyBuffer (&comp)[3], const ffi::Buffer<ffi::S32>& comp_idx,
-                                 const ffi::Buffer<ffi::F32>& sink, ffi::DataType out_type, int32_t block,
-                                 AttentionArgs* a) {
+                                 const ffi::Buffer<ffi::F32>& sink, ffi::DataType out_type,
+                                 ffi::Span<const int64_t> split_o_dims, ffi::Span<const int64_t> split_ml_dims,
+                                 int32_t block, AttentionArgs* a) {
   if (auto e = CheckRank(q, 3, "q"); e.failure()) return e;
   const auto q_type = FloatElem(q);
   if (!q_type) return Invalid("q must be f32 or bf16");
@@ -42,7 +56,7 @@ inline ffi::Error ParseAttention(const ffi::AnyBuffer& q, const ffi::AnyBuffer (
   if (cd.size() != 2 || cd[0] != a->t) return Invalid("compressed_idx must be [T, X]");
   if (sink.dimensions().size() != 1 || sink.dimensions()[0] != a->n) return Invalid("sink must be [N]");
   a->w = wd[1], a->x = cd[1];
-  return ffi::Error::Success();
+  return ParseSplitScratch(split_o_dims, split_ml_dims, a);
 }
 
 struct IndexerArgs {

@@ -42,11 +42,12 @@ ffi::Error SparseAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer ring_values, ffi
                                ffi::AnyBuffer fresh_rope, ffi::Buffer<ffi::S32> window_idx,
                                ffi::AnyBuffer comp_values, ffi::AnyBuffer comp_scales, ffi::AnyBuffer comp_rope,
                                ffi::Buffer<ffi::S32> comp_idx, ffi::Buffer<ffi::F32> sink,
-                               ffi::Result<ffi::AnyBuffer> out, float scale, int32_t block) {
+                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> split_o,
+                               ffi::Result<ffi::Buffer<ffi::F32>> split_ml, float scale, int32_t block) {
   AttentionArgs a;
   if (auto e = ParseAttention(q, {ring_values, ring_scales, ring_rope}, {fresh_values, fresh_scales, fresh_rope},
                               window_idx, {comp_values, comp_scales, comp_rope}, comp_idx, sink,
-                              out->element_type(), block, &a);
+                              out->element_type(), split_o->dimensions(), split_ml->dimensions(), block, &a);
       e.failure()) {
     return e;
   }
@@ -111,5 +112,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SparseAttentionCpu, dsv4::SparseAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // compressed_idx [T, X]: pool row; -1 or >= Rc none
                                   .Arg<ffi::Buffer<ffi::F32>>()  // sink [N]
                                   .Ret<ffi::AnyBuffer>()       // out [T, N, H], q's dtype
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // split scratch [S, T, N, H] (CUDA only)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // split scratch [S, T, N, 2] (CUDA only)
                                   .Attr<float>("scale")        // softmax scale
                                   .Attr<int32_t>("block"));    // values per scale byte

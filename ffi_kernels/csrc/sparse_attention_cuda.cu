@@ -9,9 +9,13 @@
 // heads 16 (w % 4) .. +16 and output columns (w / 4) * H/2 .. +H/2; the two warps of a head
 // group both compute its S (the price of keeping a 16 x 256 f32 accumulator per warp in
 // registers). Softmax online with the sink as the starting max (m = sink, l = 1), in base 2.
+// Few queries (decode) would leave most SMs idle, so the caller may split each query's slots
+// into S parts (grid z): each block then writes its unnormalised output, max and denominator
+// to the split scratch (only part 0 counts the sink) and CombineSplitsKernel merges them.
 //
 // ScalarAttentionKernel (everything else: f32 inputs, odd widths): one warp per head, f32 FMA.
 #include <cuda_bf16.h>
+#include <algorithm>
 #include <cuda_runtime.h>
 
 #include "cuda_common.h"
@@ -122,6 +126,7 @@ constexpr int kTile = 32;  // selected rows per shared-memory tile
 constexpr int kPad = 8;
 constexpr int kMaxOutBlocks = kMaxHeadDim / 2 / 8;  // 8-column blocks of a warp's output half
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kEmptyMax = -1e30f;  // the running max of a split part with no rows yet (finite: no inf - inf)
 constexpr int kFill = kTile * (kMaxHeadDim / 8) / kTcThreads;  // 16-byte chunks per thread per tile
 
 int TensorCoreSharedBytes(int64_t h) { return static_cast<int>((kTcHeads + kTile) * (h + kPad) * 2); }
@@ -211,7 +216,8 @@ __device__ __forceinline__ float QuadSum(float v) {
 __global__ void __launch_bounds__(kTcThreads)
     TensorCoreAttentionKernel(const uint16_t* q, TableViews tables, const int32_t* window_idx, int64_t w_n,
                               const int32_t* comp_idx, int64_t x_n, const float* sink, uint16_t* out, int64_t n_n,
-                              int64_t h_n, float scale_log2) {
+                              int64_t h_n, float scale_log2, int64_t tiles_per_split, float* split_o,
+                              float* split_ml) {
   extern __shared__ __align__(16) uint16_t smem[];
   __shared__ Slot slots[kTile];
   __shared__ TableView views[3];
@@ -232,22 +238,24 @@ __global__ void __launch_bounds__(kTcThreads)
   }
 
   const int64_t head_lo = head0 + group * 16 + g, head_hi = head_lo + 8;
-  float m_lo = head_lo < n_n ? sink[head_lo] * kLog2e : 0.0f;
-  float m_hi = head_hi < n_n ? sink[head_hi] * kLog2e : 0.0f;
-  float l_lo = c == 0 ? 1.0f : 0.0f, l_hi = l_lo;  // the sink's exp(0), counted once per quad
+  const bool with_sink = blockIdx.z == 0;  // split parts after the first start empty
+  float m_lo = !with_sink ? kEmptyMax : head_lo < n_n ? sink[head_lo] * kLog2e : 0.0f;
+  float m_hi = !with_sink ? kEmptyMax : head_hi < n_n ? sink[head_hi] * kLog2e : 0.0f;
+  float l_lo = with_sink && c == 0 ? 1.0f : 0.0f, l_hi = l_lo;  // the sink's exp(0), counted once per quad
   const int out_blocks = static_cast<int>(h_n / 16), col0 = half * static_cast<int>(h_n / 2);
   float o[kMaxOutBlocks][4];
 #pragma unroll
   for (int b = 0; b < kMaxOutBlocks; ++b) o[b][0] = o[b][1] = o[b][2] = o[b][3] = 0.0f;
 
-  const int64_t total = w_n + x_n;
-  for (int64_t base = 0; base < total; base += kTile) {
+  const int64_t total = w_n + x_n, first = blockIdx.z * tiles_per_split * kTile;
+  const int64_t end = min(total, first + tiles_per_split * kTile);
+  for (int64_t base = first; base < end; base += kTile) {
     __syncthreads();  // the previous tile is consumed
     if (threadIdx.x < kTile) {
       const int64_t j = base + threadIdx.x;
-      slots[threadIdx.x] = j < total ? ResolveSlot(j, w_n, window_idx + t * w_n, comp_idx + t * x_n,
-                                                   views[0].rows, views[1].rows, views[2].rows)
-                                     : Slot{-1, 0};
+      slots[threadIdx.x] = j < end ? ResolveSlot(j, w_n, window_idx + t * w_n, comp_idx + t * x_n,
+                                                 views[0].rows, views[1].rows, views[2].rows)
+                                   : Slot{-1, 0};
     }
     __syncthreads();
     // All of this thread's loads first, then the decodes: kFill loads in flight, not one.
@@ -337,7 +345,23 @@ __global__ void __launch_bounds__(kTcThreads)
     }
   }
 
-  const float inv_lo = 1.0f / QuadSum(l_lo), inv_hi = 1.0f / QuadSum(l_hi);
+  l_lo = QuadSum(l_lo), l_hi = QuadSum(l_hi);
+  if (gridDim.z > 1) {  // a split part: unnormalised output, max and denominator
+    const int64_t part = (static_cast<int64_t>(blockIdx.z) * gridDim.x + t) * n_n;
+#pragma unroll
+    for (int b = 0; b < kMaxOutBlocks; ++b) {
+      if (b >= out_blocks) break;
+      const int64_t col = col0 + b * 8 + 2 * c;
+      if (head_lo < n_n) *reinterpret_cast<float2*>(split_o + (part + head_lo) * h_n + col) = {o[b][0], o[b][1]};
+      if (head_hi < n_n) *reinterpret_cast<float2*>(split_o + (part + head_hi) * h_n + col) = {o[b][2], o[b][3]};
+    }
+    if (c == 0 && half == 0) {
+      if (head_lo < n_n) *reinterpret_cast<float2*>(split_ml + (part + head_lo) * 2) = {m_lo, l_lo};
+      if (head_hi < n_n) *reinterpret_cast<float2*>(split_ml + (part + head_hi) * 2) = {m_hi, l_hi};
+    }
+    return;
+  }
+  const float inv_lo = 1.0f / l_lo, inv_hi = 1.0f / l_hi;
 #pragma unroll
   for (int b = 0; b < kMaxOutBlocks; ++b) {
     if (b >= out_blocks) break;
@@ -348,6 +372,22 @@ __global__ void __launch_bounds__(kTcThreads)
     if (head_hi < n_n) {
       *reinterpret_cast<uint32_t*>(out + (t * n_n + head_hi) * h_n + col) = PackBf16(o[b][2] * inv_hi, o[b][3] * inv_hi);
     }
+  }
+}
+
+// Merges the S split parts of each (query, head): out = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s
+// with M = max_s m_s (part 0 carries the sink, so M is finite). One block per (query, head).
+__global__ void CombineSplitsKernel(const float* split_o, const float* split_ml, uint16_t* out, int64_t splits,
+                                    int64_t tn, int64_t h_n) {
+  const int64_t row = blockIdx.x;  // t * N + head
+  float big = kEmptyMax;
+  for (int64_t p = 0; p < splits; ++p) big = fmaxf(big, split_ml[(p * tn + row) * 2]);
+  float denom = 0.0f;
+  for (int64_t p = 0; p < splits; ++p) denom += exp2f(split_ml[(p * tn + row) * 2] - big) * split_ml[(p * tn + row) * 2 + 1];
+  for (int64_t k = threadIdx.x; k < h_n; k += blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t p = 0; p < splits; ++p) acc += exp2f(split_ml[(p * tn + row) * 2] - big) * split_o[(p * tn + row) * h_n + k];
+    out[row * h_n + k] = FloatToBf16(acc / denom);
   }
 }
 
@@ -364,16 +404,26 @@ bool TensorCoreServes(const AttentionArgs& a) {
 }
 
 ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const void* q, const int32_t* window_idx,
-                            const int32_t* comp_idx, const float* sink, void* out, float scale) {
+                            const int32_t* comp_idx, const float* sink, void* out, float* split_o, float* split_ml,
+                            float scale) {
   // Once per process: allow the largest tile set (head dim 512) above the 48 KB default.
   static const cudaError_t attr = cudaFuncSetAttribute(
       TensorCoreAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, TensorCoreSharedBytes(kMaxHeadDim));
   if (attr != cudaSuccess) return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr));
-  const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.n + kTcHeads - 1) / kTcHeads));
+  const int64_t tiles = (a.w + a.x + kTile - 1) / kTile;
+  const int64_t splits = std::max<int64_t>(1, std::min(a.splits, tiles));
+  const int64_t per_split = (tiles + splits - 1) / splits;
+  const int64_t used = splits > 1 ? (tiles + per_split - 1) / per_split : 1;  // no empty trailing parts
+  const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.n + kTcHeads - 1) / kTcHeads),
+                  static_cast<unsigned>(used));
   TensorCoreAttentionKernel<<<grid, kTcThreads, TensorCoreSharedBytes(a.h), stream>>>(
       static_cast<const uint16_t*>(q), TableViews{{a.ring, a.fresh, a.comp}}, window_idx, a.w, comp_idx, a.x, sink,
-      static_cast<uint16_t*>(out), a.n, a.h, scale * kLog2e);
-  return LastCudaError("TensorCoreAttentionKernel");
+      static_cast<uint16_t*>(out), a.n, a.h, scale * kLog2e, std::max<int64_t>(per_split, 1), split_o, split_ml);
+  if (auto e = LastCudaError("TensorCoreAttentionKernel"); e.failure() || used == 1) return e;
+  CombineSplitsKernel<<<static_cast<unsigned>(a.t * a.n), 128, 0, stream>>>(split_o, split_ml,
+                                                                          static_cast<uint16_t*>(out), used,
+                                                                          a.t * a.n, a.h);
+  return LastCudaError("CombineSplitsKernel");
 }
 
 ffi::Error SparseAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer ring_values,
@@ -381,11 +431,12 @@ ffi::Error SparseAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
                                ffi::AnyBuffer fresh_scales, ffi::AnyBuffer fresh_rope, ffi::Buffer<ffi::S32> window_idx,
                                ffi::AnyBuffer comp_values, ffi::AnyBuffer comp_scales, ffi::AnyBuffer comp_rope,
                                ffi::Buffer<ffi::S32> comp_idx, ffi::Buffer<ffi::F32> sink,
-                               ffi::Result<ffi::AnyBuffer> out, float scale, int32_t block) {
+                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> split_o,
+                               ffi::Result<ffi::Buffer<ffi::F32>> split_ml, float scale, int32_t block) {
   AttentionArgs a;
   if (auto e = ParseAttention(q, {ring_values, ring_scales, ring_rope}, {fresh_values, fresh_scales, fresh_rope},
                               window_idx, {comp_values, comp_scales, comp_rope}, comp_idx, sink,
-                              out->element_type(), block, &a);
+                              out->element_type(), split_o->dimensions(), split_ml->dimensions(), block, &a);
       e.failure()) {
     return e;
   }
@@ -393,7 +444,8 @@ ffi::Error SparseAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   if (a.t == 0 || a.n == 0) return ffi::Error::Success();
   if (TensorCoreServes(a)) {
     return LaunchTensorCore(stream, a, q.untyped_data(), window_idx.typed_data(), comp_idx.typed_data(),
-                            sink.typed_data(), out->untyped_data(), scale);
+                            sink.typed_data(), out->untyped_data(), split_o->typed_data(), split_ml->typed_data(),
+                            scale);
   }
   const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.n + kHeadsPerBlock - 1) / kHeadsPerBlock));
   ScalarAttentionKernel<<<grid, 32 * kHeadsPerBlock, 0, stream>>>(
@@ -404,6 +456,17 @@ ffi::Error SparseAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
 
 }  // namespace
 }  // namespace dsv4
+
+// The current device's multiprocessor count (0 if it cannot be read): dsv4/ops/sparse_attention/ffi.py
+// sizes the split scratch from it, through ctypes.
+extern "C" int64_t Dsv4MultiprocessorCount() {
+  int device = 0, count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return 0;
+  }
+  return count;
+}
 
 namespace ffi = xla::ffi;
 
@@ -425,6 +488,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SparseAttentionCuda, dsv4::SparseAttentionCuda
                                   .Arg<ffi::Buffer<ffi::S32>>()  // compressed_idx
                                   .Arg<ffi::Buffer<ffi::F32>>()  // sink
                                   .Ret<ffi::AnyBuffer>()       // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // split partial outputs
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // split max / denominator
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("block"),
                               {ffi::Traits::kCmdBufferCompatible});

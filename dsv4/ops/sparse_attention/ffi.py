@@ -7,16 +7,45 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import ffi_kernels
 from dsv4.ops.ffi_tables import check_platform, codec, dense_table, i32, table_parts
 from dsv4.state import EntryTable
 
 
+# The CUDA kernels' shapes (sparse_attention_cuda.cu): rows per tile, heads per block.
+_TILE_ROWS, _BLOCK_HEADS = 32, 64
+
+
+def split_parts(q_TNH: jax.Array, slots: int) -> int:
+    """How many parts the CUDA kernel splits each query's `slots` selected rows into.
+
+    Decode has few queries: T x ceil(N / 64) blocks would leave most of the GPU's
+    multiprocessors idle, so each query's rows are split until about one block per
+    multiprocessor runs (at most one 32-row tile per part). 1 (unsplit) when the blocks already
+    fill half the GPU, off CUDA, or where the tensor-core kernel does not serve (f32 q, head
+    dims that are not a multiple of 32).
+    """
+    t, n, h = q_TNH.shape
+    sms = ffi_kernels.multiprocessors(ffi_kernels.platform_of(jax.default_backend()))
+    if sms is None or q_TNH.dtype != jnp.bfloat16 or h % 32 or t == 0:
+        return 1
+    blocks = t * -(-n // _BLOCK_HEADS)
+    if 2 * blocks > sms:
+        return 1
+    return max(1, min(-(-slots // _TILE_ROWS), -(-sms // blocks)))
+
+
 def _call(q_TNH, ring, fresh, window_idx_TW, comp, comp_idx_TX, sink_N, scale: float, block: int) -> jax.Array:
     check_platform()
-    out = jax.ShapeDtypeStruct(q_TNH.shape, q_TNH.dtype)
-    return jax.ffi.ffi_call("dsv4_sparse_attention", out, vmap_method="sequential")(
+    t, n, h = q_TNH.shape
+    parts = split_parts(q_TNH, window_idx_TW.shape[1] + comp_idx_TX.shape[1])
+    scratch = parts if parts > 1 else 0  # [S, ...] partial outputs, max and denominator; none unsplit
+    out = (jax.ShapeDtypeStruct(q_TNH.shape, q_TNH.dtype), jax.ShapeDtypeStruct((scratch, t, n, h), jnp.float32),
+           jax.ShapeDtypeStruct((scratch, t, n, 2), jnp.float32))
+    result, _, _ = jax.ffi.ffi_call("dsv4_sparse_attention", out, vmap_method="sequential")(
         q_TNH, *ring, *fresh, window_idx_TW.astype(jnp.int32), *comp, comp_idx_TX.astype(jnp.int32),
         sink_N.astype(jnp.float32), scale=np.float32(scale), block=i32(block))
+    return result
 
 
 def sparse_attention_paged(q_TNH: jax.Array, window: tuple[EntryTable, EntryTable], window_idx_TW: jax.Array,
