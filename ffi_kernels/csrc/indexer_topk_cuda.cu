@@ -1,11 +1,15 @@
 // indexer_topk on CUDA: the twin of dsv4/ops/indexer_topk/reference.py and of
 // indexer_topk_cpu.cc (same arguments, same semantics).
 //
-// One block per query. (1) One warp per visible candidate computes its score into the query's
-// score row, kept in shared memory when it fits there (Dsv4IndexerOnChipCandidates: S up to
-// about 49k candidates, ~196k tokens of context at ratio 4, on an H200) and in the `scores`
-// scratch result [T, S] otherwise (then the caller must pass one; [T, 0] means none). (2) A radix select over the scores' order-preserving bit
-// patterns (4 passes of 8 bits) finds the k-th largest. (3) Every candidate above it is kept,
+// One block per query. (1) The scores of its visible candidates go to the query's score row,
+// kept in shared memory when it fits there (Dsv4IndexerOnChipCandidates: S up to about 48k
+// candidates, ~190k tokens of context at ratio 4, on an H200) and in the `scores` scratch
+// result [T, S] otherwise (the caller must then pass one; [T, 0] means none). With bf16 q
+// (up to 64 heads of dim <= 128, a multiple of 16) the scores run on tensor cores: tiles of 64
+// candidates are decoded once into shared memory as bf16 (every e2m1/e4m3 x E8M0 value is
+// exact there) and Q K^T is an mma.sync product, its ReLU-weighted head sum reduced in
+// registers; otherwise one warp per candidate in f32 FMA. (2) A radix select over the
+// scores' order-preserving bit patterns (4 passes of 8 bits) finds the k-th largest. (3) Every candidate above it is kept,
 // and of those equal to it the lowest-numbered ones, in candidate order. (4) A bitonic sort
 // orders the kept ones by (score desc, candidate asc), the reference's order.
 #include <cuda_runtime.h>
@@ -14,6 +18,7 @@
 #include <climits>
 
 #include "cuda_common.h"
+#include "cuda_tiles.h"
 #include "op_args.h"
 
 extern "C" int64_t Dsv4IndexerOnChipCandidates(int64_t i, int64_t j);
@@ -25,11 +30,20 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxTopk = 2048;
 constexpr int kMaxHeadDim = 256;
-constexpr int kMaxSmemBytes = 40 * 1024;  // the q / selection region, before the score row
+constexpr int kMaxSmemBytes = 40 * 1024;  // the scoring / selection region, before the score row
+constexpr int kMmaRows = 64;               // tensor-core scoring: heads (padded) and candidates per tile
+constexpr int kMmaMaxDim = 128;
+constexpr int kMmaGroups = kMmaRows / 16;  // head groups of 16 (the mma's M)
+constexpr int kPad = 8;                    // bf16 row padding: conflict-free ldmatrix rows
 
-// Bytes of the q / selection region (q in f32 while scoring, then the kept scores and ids).
-size_t RegionBytes(int64_t i, int64_t j) {
-  return std::max<size_t>(i * j * sizeof(float), kMaxTopk * (sizeof(float) + sizeof(int32_t)));
+// Bytes of the region before the score row: the scoring inputs (q in f32 for the scalar
+// scorer; q and one key tile in bf16 plus the head groups' partial sums for the tensor-core
+// one), then the kept scores and ids of the selection.
+DSV4_HD size_t RegionBytes(int64_t i, int64_t j) {
+  const size_t scalar = i * j * sizeof(float), sel = kMaxTopk * (sizeof(float) + sizeof(int32_t));
+  const size_t mma = j <= kMmaMaxDim ? 2 * kMmaRows * (j + kPad) * 2 + kMmaGroups * kMmaRows * sizeof(float) : 0;
+  const size_t most = scalar > sel ? scalar : sel;
+  return most > mma ? most : mma;
 }
 
 // The shared memory a block of this device may opt in to (queried once per process).
@@ -54,15 +68,92 @@ __device__ __forceinline__ uint32_t OrderKey(float v) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-__device__ __forceinline__ size_t RegionBytesDevice(int64_t i, int64_t j) {
-  const size_t q = i * j * sizeof(float), sel = kMaxTopk * (sizeof(float) + sizeof(int32_t));
-  return q > sel ? q : sel;
-}
-
 __device__ __forceinline__ bool Before(float sa, int32_t ia, float sb, int32_t ib) {
   return sa > sb || (sa == sb && ia < ib);
 }
 
+// The stored row of candidate s: its page's row, or the last row for an unallocated page (the
+// reference's clipped gather), clipped to the table too.
+__device__ __forceinline__ int64_t CandidateRow(const int32_t* pages, int64_t epp, int64_t s, int64_t rows) {
+  const int64_t page = pages[s / epp];
+  return page >= 0 ? min(page * epp + s % epp, rows - 1) : rows - 1;
+}
+
+// Scores of candidates [0, visible) into row_scores on tensor cores (the kernel comment).
+// Warp w: head group w % 4 (heads 16 (w % 4) .. +16) and candidates 32 (w / 4) .. +32 of the
+// tile; its 16 heads' w_i relu(dot) are summed in registers (rows g, g + 8, then across g by
+// shuffles) and the four head groups' sums added in a fixed order.
+__device__ void MmaScores(const uint16_t* q, const float* w, const TableView& keys, const int32_t* page_table,
+                          int64_t p_n, int64_t epp, int64_t t, int64_t visible, int64_t i_n, int64_t j_n,
+                          unsigned char* smem, float* row_scores) {
+  __shared__ float w_s[kMmaRows];
+  const int ld = static_cast<int>(j_n) + kPad;
+  uint16_t* q_s = reinterpret_cast<uint16_t*>(smem);        // [kMmaRows heads][ld]
+  uint16_t* k_s = q_s + kMmaRows * ld;                       // [kMmaRows candidates][ld]
+  float* part = reinterpret_cast<float*>(k_s + kMmaRows * ld);  // [kMmaGroups][kMmaRows candidates]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = warp % kMmaGroups, half = warp / kMmaGroups;
+  const int g = lane / 4, c = lane % 4, chunks = static_cast<int>(j_n / 8);
+  for (int e = threadIdx.x; e < kMmaRows * chunks; e += kThreads) {
+    const int r = e / chunks, k = 8 * (e % chunks);
+    *reinterpret_cast<uint4*>(q_s + r * ld + k) =
+        r < i_n ? *reinterpret_cast<const uint4*>(q + (t * i_n + r) * j_n + k) : make_uint4(0, 0, 0, 0);
+  }
+  if (threadIdx.x < kMmaRows) w_s[threadIdx.x] = threadIdx.x < i_n ? w[t * i_n + threadIdx.x] : 0.0f;
+  constexpr int kFill = kMmaRows * (kMmaMaxDim / 8) / kThreads;  // 16-byte chunks per thread per tile
+  for (int64_t base = 0; base < visible; base += kMmaRows) {
+    __syncthreads();  // q and w staged; the previous tile's keys and partial sums consumed
+    RawEight raw[kFill];
+#pragma unroll
+    for (int u = 0; u < kFill; ++u) {
+      const int e = threadIdx.x + u * kThreads, r = e / chunks, k = 8 * (e % chunks);
+      raw[u] = {make_uint4(0, 0, 0, 0), 127};
+      if (e < kMmaRows * chunks && base + r < visible) {
+        raw[u] = LoadEight(keys, CandidateRow(page_table + t * p_n, epp, base + r, keys.rows), k);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kFill; ++u) {
+      const int e = threadIdx.x + u * kThreads, r = e / chunks, k = 8 * (e % chunks);
+      if (e < kMmaRows * chunks) {
+        *reinterpret_cast<uint4*>(k_s + r * ld + k) =
+            base + r < visible ? DecodeEight(keys, k, raw[u]) : make_uint4(0, 0, 0, 0);
+      }
+    }
+    __syncthreads();
+    float acc[4][4] = {};
+    for (int k0 = 0; k0 < j_n; k0 += 16) {
+      uint32_t a[4];
+      LdMatrixX4(a, q_s + (group * 16 + lane % 16) * ld + k0 + (lane / 16) * 8);
+#pragma unroll
+      for (int b = 0; b < 4; b += 2) {
+        uint32_t kb[4];
+        const int m = lane / 8;
+        LdMatrixX4(kb, k_s + (half * 32 + b * 8 + (m / 2) * 8 + lane % 8) * ld + k0 + (m % 2) * 8);
+        Mma(acc[b], a, kb[0], kb[1]);
+        Mma(acc[b + 1], a, kb[2], kb[3]);
+      }
+    }
+    const float w_lo = w_s[group * 16 + g], w_hi = w_s[group * 16 + g + 8];
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float v = w_lo * fmaxf(acc[b][i], 0.0f) + w_hi * fmaxf(acc[b][2 + i], 0.0f);
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (g == 0) part[group * kMmaRows + half * 32 + b * 8 + 2 * c + i] = v;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < kMmaRows && base + threadIdx.x < visible) {
+      const int r = threadIdx.x;
+      row_scores[base + r] = ((part[r] + part[kMmaRows + r]) + part[2 * kMmaRows + r]) + part[3 * kMmaRows + r];
+    }
+  }
+}
+
+template <bool kTensorCores>
 __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, TableView keys, const int32_t* page_table,
                                   int64_t p_n, int64_t epp, const int32_t* limit, float* scores, int32_t* ids,
                                   int64_t i_n, int64_t j_n, int64_t k_n) {
@@ -74,33 +165,37 @@ __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, Ta
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t visible = keys.rows ? min(max(static_cast<int64_t>(limit[t]), int64_t{0}), s_n) : 0;
   const int64_t kept = min(k_n, visible);
-  const size_t region = RegionBytesDevice(i_n, j_n);
+  const size_t region = RegionBytes(i_n, j_n);
   float* row_scores = scores ? scores + t * s_n : reinterpret_cast<float*>(smem + region);
 
-  // (1) scores; q staged in shared memory in f32.
-  float* q_s = reinterpret_cast<float*>(smem);
-  for (int64_t e = threadIdx.x; e < i_n * j_n; e += kThreads) q_s[e] = LoadElem(q, q_type, t * i_n * j_n + e);
-  __syncthreads();
-  for (int64_t s = warp; s < visible; s += kWarps) {
-    const int64_t page = page_table[t * p_n + s / epp];
-    const int64_t row = page >= 0 ? min(page * epp + s % epp, keys.rows - 1) : keys.rows - 1;
-    float k_r[kMaxHeadDim / 32];
-#pragma unroll
-    for (int u = 0; u < kMaxHeadDim / 32; ++u) {
-      const int64_t j = lane + 32 * u;
-      k_r[u] = j < j_n ? DecodeEntry(keys, row, j) : 0.0f;
-    }
-    float total = 0.0f;
-    for (int64_t i = 0; i < i_n; ++i) {
-      float dot = 0.0f;
+  // (1) scores.
+  if constexpr (kTensorCores) {
+    MmaScores(static_cast<const uint16_t*>(q), w, keys, page_table, p_n, epp, t, visible, i_n, j_n, smem,
+              row_scores);
+  } else {
+    float* q_s = reinterpret_cast<float*>(smem);  // q in f32
+    for (int64_t e = threadIdx.x; e < i_n * j_n; e += kThreads) q_s[e] = LoadElem(q, q_type, t * i_n * j_n + e);
+    __syncthreads();
+    for (int64_t s = warp; s < visible; s += kWarps) {
+      const int64_t row = CandidateRow(page_table + t * p_n, epp, s, keys.rows);
+      float k_r[kMaxHeadDim / 32];
 #pragma unroll
       for (int u = 0; u < kMaxHeadDim / 32; ++u) {
         const int64_t j = lane + 32 * u;
-        if (j < j_n) dot += q_s[i * j_n + j] * k_r[u];
+        k_r[u] = j < j_n ? DecodeEntry(keys, row, j) : 0.0f;
       }
-      total += w[t * i_n + i] * fmaxf(WarpSum(dot), 0.0f);
+      float total = 0.0f;
+      for (int64_t i = 0; i < i_n; ++i) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int u = 0; u < kMaxHeadDim / 32; ++u) {
+          const int64_t j = lane + 32 * u;
+          if (j < j_n) dot += q_s[i * j_n + j] * k_r[u];
+        }
+        total += w[t * i_n + i] * fmaxf(WarpSum(dot), 0.0f);
+      }
+      if (lane == 0) row_scores[s] = total;
     }
-    if (lane == 0) row_scores[s] = total;
   }
   __syncthreads();
 
@@ -206,6 +301,14 @@ __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, Ta
   for (int64_t k = threadIdx.x; k < k_n; k += kThreads) ids[t * k_n + k] = k < kept ? sel_id[k] : -1;
 }
 
+// Whether the tensor-core scorer serves these arguments (else the scalar one does).
+bool TensorCoresServe(const IndexerArgs& a) {
+  const TableView& k = a.keys;
+  const bool values = k.values_type == Elem::kBf16 || k.values_type == Elem::kE4m3 || k.values_type == Elem::kE2m1x2;
+  return a.q_type == Elem::kBf16 && a.i <= kMmaRows && a.j % 16 == 0 && a.j <= kMmaMaxDim && k.rope_width == 0 &&
+         values && k.values_width % 8 == 0 && (k.scales_width == 0 || k.block % 8 == 0);
+}
+
 ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer key_values,
                            ffi::AnyBuffer key_scales, ffi::AnyBuffer key_rope, ffi::Buffer<ffi::S32> page_table,
                            ffi::Buffer<ffi::S32> limit, ffi::Result<ffi::Buffer<ffi::S32>> ids,
@@ -227,12 +330,18 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
   }
   if (a.t == 0 || a.k == 0) return ffi::Error::Success();
   const size_t smem = RegionBytes(a.i, a.j) + (on_chip ? a.s * sizeof(float) : 0);
-  // Once per process: allow the device's whole opt-in shared memory (above the 48 KB default).
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      IndexerTopkKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-      static_cast<int>(OptInSharedBytes() - kStaticSharedBytes));
-  if (attr != cudaSuccess) return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr));
-  IndexerTopkKernel<<<static_cast<unsigned>(a.t), kThreads, smem, stream>>>(
+  const bool mma = TensorCoresServe(a);
+  auto* kernel = mma ? IndexerTopkKernel<true> : IndexerTopkKernel<false>;
+  // Once per process and kernel: allow the device's whole opt-in shared memory (above 48 KB).
+  static const cudaError_t attr[2] = {
+      cudaFuncSetAttribute(IndexerTopkKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(OptInSharedBytes() - kStaticSharedBytes)),
+      cudaFuncSetAttribute(IndexerTopkKernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(OptInSharedBytes() - kStaticSharedBytes))};
+  if (attr[mma] != cudaSuccess) {
+    return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr[mma]));
+  }
+  kernel<<<static_cast<unsigned>(a.t), kThreads, smem, stream>>>(
       q.untyped_data(), a.q_type, w.typed_data(), a.keys, page_table.typed_data(), a.p, a.epp, limit.typed_data(),
       on_chip ? nullptr : scores->typed_data(), ids->typed_data(), a.i, a.j, a.k);
   return LastCudaError("IndexerTopkKernel");

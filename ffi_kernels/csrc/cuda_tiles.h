@@ -1,0 +1,88 @@
+// Tensor-core building blocks of the CUDA kernels: ldmatrix / mma.sync (bf16 in, f32 accumulate;
+// SM80+ instructions, so the same code serves SM90 and SM120) and the 8-entry loads that turn a
+// stored table row into bf16 tiles in shared memory.
+//
+// Fragment layout of mma m16n8k16 (PTX ISA): lane = 4 g + c holds rows g and g + 8 of the 16x8
+// accumulator, columns 2c and 2c + 1 (d[0], d[1] row g; d[2], d[3] row g + 8).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "tables.h"
+
+namespace dsv4 {
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+
+// d += a b with a 16x16 bf16 (row major), b 16x8 bf16 (column major), d 16x8 f32.
+__device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  return static_cast<uint32_t>(FloatToBf16(lo)) | (static_cast<uint32_t>(FloatToBf16(hi)) << 16);
+}
+
+// Entries k0 .. k0+7 of a row (k0 a multiple of 8; the 8 lie in one part and one scale block),
+// loaded raw (so that a thread's loads for a whole tile are in flight together) and then
+// decoded to eight bf16 in one 16-byte word.
+struct RawEight {
+  uint4 bits;     // 8 bf16 (rope, bf16 values), 8 e4m3 in .x/.y or 8 e2m1 nibbles in .x
+  uint8_t scale;  // E8M0 byte (127 = 1 when the part is unscaled)
+};
+
+__device__ __forceinline__ RawEight LoadEight(const TableView& t, int64_t row, int64_t k0) {
+  if (k0 >= t.values_width) {
+    return {*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(t.rope) + row * t.rope_width +
+                                            (k0 - t.values_width)),
+            127};
+  }
+  const int64_t i = row * t.values_width + k0;
+  const uint8_t scale = t.scales_width ? t.scales[row * t.scales_width + k0 / t.block] : uint8_t{127};
+  if (t.values_type == Elem::kE4m3) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(t.values) + i);
+    return {make_uint4(raw.x, raw.y, 0, 0), scale};
+  }
+  if (t.values_type == Elem::kE2m1x2) {  // two per byte, low nibble first
+    return {make_uint4(*reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(t.values) + i / 2), 0, 0, 0),
+            scale};
+  }
+  return {*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(t.values) + i), scale};
+}
+
+__device__ __forceinline__ uint4 DecodeEight(const TableView& t, int64_t k0, const RawEight& r) {
+  const Elem type = k0 < t.values_width ? t.values_type : Elem::kBf16;
+  if (type == Elem::kBf16 && r.scale == 127) return r.bits;  // bf16 as stored
+  const float scale = E8m0ToFloat(r.scale);
+  const uint32_t words[4] = {r.bits.x, r.bits.y, r.bits.z, r.bits.w};
+  float v[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    v[e] = type == Elem::kE4m3    ? E4m3ToFloat((words[e / 4] >> (8 * (e % 4))) & 0xffu)
+           : type == Elem::kE2m1x2 ? E2m1ToFloat((words[0] >> (4 * e)) & 0xfu)
+                                   : Bf16ToFloat(static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2))));
+  }
+  return make_uint4(PackBf16(v[0] * scale, v[1] * scale), PackBf16(v[2] * scale, v[3] * scale),
+                    PackBf16(v[4] * scale, v[5] * scale), PackBf16(v[6] * scale, v[7] * scale));
+}
+
+}  // namespace dsv4
