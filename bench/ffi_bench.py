@@ -22,6 +22,9 @@ calls; kv_write carries its table through the loop, in place); the program is ti
 `--warmup` runs, median of `--steps`, divided by `--inner`. This is device time per call with
 the launch gaps of back-to-back kernels but without the host's dispatch of a lone program
 (~0.1 ms on the H200, which dominated every decode figure when each call was its own program).
+The loop itself still costs something per iteration (on the H200 ~35-45 us: XLA's while loop
+reads its predicate back to the host each turn); the same loop around no op is timed first
+and reported as `loop_floor_ms`: read decode figures near it as "at most this fast".
 """
 
 from __future__ import annotations
@@ -218,7 +221,7 @@ def run_op(op: str, cfg: ModelConfig, case: Case, s: Settings, log) -> dict:
 
 
 def command(s: Settings) -> str:
-    return (f"python -m bench.ffi_bench --config {s.config_name} --decode {','.join(map(str, s.decode))} "
+    return (f"python -m bench.ffi_bench --config {s.config_name} --decode {','.join(map(str, s.decode)) or repr('')} "
             f"--prefill {s.prefill} --context {s.context} --kv-format {s.kv_format} --index-format {s.index_format} "
             f"--backends {','.join(s.backends)} --ops {','.join(s.ops)} "
             f"--steps {s.steps} --inner {s.inner}")
@@ -230,7 +233,7 @@ def markdown_row(r: dict, meta: dict, s: Settings) -> str:
     else:
         parts = [f"{b} {r[b]['ms']:.4g} ms ({r[b]['gbps']:.4g} GB/s, {r[b]['tflops']:.3g} TFLOP/s)"
                  if "ms" in r[b] else f"{b} {r[b]['status']}" for b in s.backends]
-        figure = "; ".join(parts) + f"; roofline {r['roofline_ms']:.3g} ms"
+        figure = "; ".join(parts) + f"; roofline {r['roofline_ms']:.3g} ms; loop floor {meta['loop_floor_ms']:.3g} ms"
         ratio = "; ".join(f"{b} {r[b]['over_roofline']:.3g}x roofline" for b in s.backends if "ms" in r[b])
         if "ffi_speedup" in r:
             x = r["ffi_speedup"]
@@ -280,6 +283,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     cfg = CONFIGS[s.config_name]
     meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
             "jax_version": jax.__version__, "command": command(s), "hbm_tbps": s.hbm_tbps, "tflops": s.tflops}
+    floor_program, floor_args = repeated(lambda x: x, (jnp.zeros((1,), jnp.float32),), (), s.inner, False)
+    meta["loop_floor_ms"] = time_call(floor_program, floor_args, s)[1]
+    _log(f"device loop floor: {meta['loop_floor_ms']:.4g} ms per iteration")
     cases = [Case(f"decode C{c}", c, c, s.context) for c in s.decode]
     if s.prefill:
         cases.append(Case(f"prefill {s.prefill}", s.prefill, 1, s.prefill))

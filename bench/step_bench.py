@@ -1,6 +1,6 @@
-"""XLA-reference baseline of the decode step: ms per step, tokens/s, and the HBM-roofline ratio.
+"""The decode step: ms per step, tokens/s, and the HBM-roofline ratio (XLA reference or FFI kernels).
 
-    python -m bench.step_bench [--config flash|tiny] [--layers 4] [--decode 1,8,32,64]
+    python -m bench.step_bench [--config flash|tiny] [--layers 4] [--decode 1,8,32,64] [--backend reference|ffi]
         [--prefill 8192,65536] [--context 4096] [--steps 20] [--warmup 3]
         [--kv-format dense|fp8] [--index-format dense|fp4|fp8] [--quantized | --dense]
         [--dtype bfloat16|float32] [--hbm-tbps 4.8] [--json PATH] [--seed 0]
@@ -46,7 +46,8 @@ count; collective_share = estimate / median step ms. Overlap with compute is not
 (XLA may hide part of it) and the standalone loop has no launch gaps, so read the share as
 what the step would save were its collectives free, roughly.
 
-What runs: the one step function (`dsv4.step.StepRunner`, reference backend) of a model
+What runs: the one step function (`dsv4.step.StepRunner`, `--backend`'s ops: the XLA
+reference, or the FFI kernels of ffi_kernels/ for attention, indexer and state writes) of a model
 with the config's real widths but only `--layers` tower layers and random weights, built
 directly on the device by one jitted init (no checkpoint, no host copy of the weights).
 By default the weights are held as the checkpoint stores them (FP8 attention/shared
@@ -191,6 +192,7 @@ class Settings:
     check_finite: bool
     deployment: Deployment | None = None  # None: one device
     mesh: tuple[int, ...] = ()  # axis sizes in MESH_AXES[deployment] order
+    backend: Backend = Backend.REFERENCE
 
     @property
     def mesh_text(self) -> str:
@@ -618,7 +620,7 @@ def _timed_positions(case: Case, s: Settings, step: int) -> np.ndarray:
 
 def logits_finite(runner: StepRunner, graphdef: nnx.GraphDef, batch) -> bool:
     """Whether one step's logits are all finite (a separate, non-donating program)."""
-    step = make_step(graphdef, runner.geometry, ops_for(Backend.REFERENCE), return_logits=True)
+    step = make_step(graphdef, runner.geometry, runner.ops, return_logits=True)
     check = jax.jit(lambda params, state, b: jnp.all(jnp.isfinite(step(params, state, b)[1].logits)))
     return bool(check(runner.params, runner.state, batch))
 
@@ -635,8 +637,7 @@ def time_case(case: Case, cfg: ModelConfig, graphdef: nnx.GraphDef, params: nnx.
               else rng.integers(0, cfg.vocab_size, case.size))
     log(f"{case.name}: state {tree_bytes(state_shapes) / 2**20:.1f} MiB ({geometry.num_pages} pages of "
         f"{geometry.page_tokens}); compiling bucket {case.bucket} ...")
-    runner = StepRunner(graphdef, params, cfg, geometry, [case.bucket], ops_for(Backend.REFERENCE),
-                        placement=placement)
+    runner = StepRunner(graphdef, params, cfg, geometry, [case.bucket], ops_for(s.backend), placement=placement)
     t0 = time.perf_counter()
     runner.warmup()
     compile_s = time.perf_counter() - t0
@@ -727,6 +728,8 @@ def case_command(case: Case, s: Settings) -> str:
             parts.append(f"{flag} {value}")
     if not s.quantized:
         parts.append("--dense")
+    if s.backend is not Backend.REFERENCE:
+        parts.append(f"--backend {s.backend.value}")
     if s.deployment is not None:
         parts += [f"--deployment {s.deployment.value}", f"--mesh {s.mesh_text}"]
     return " ".join(parts)
@@ -735,7 +738,8 @@ def case_command(case: Case, s: Settings) -> str:
 def markdown_row(result: dict, meta: dict, case: Case, s: Settings) -> str:
     """A BENCHMARKS.md row: | date | device | command | what | figure | ratio |."""
     weights = "FP8/FP4 weights" if s.quantized else f"{s.dtype_name} weights"
-    what = (f"XLA reference step, {s.config_name.upper()} width, {s.layers} layers ({meta['layer_types']}), "
+    kind = "XLA reference step" if s.backend is Backend.REFERENCE else f"{s.backend.value.upper()} step"
+    what = (f"{kind}, {s.config_name.upper()} width, {s.layers} layers ({meta['layer_types']}), "
             f"{weights}, KV {s.kv_format.value}, index {s.index_format.value}: ")
     what += (f"decode C{case.size} at context {s.context} (synthetic state)" if case.kind is CaseKind.DECODE
              else f"prefill chunk {case.size}")
@@ -799,6 +803,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the roofline, TB/s (H200: 4.8)")
     p.add_argument("--json", dest="json_path", default=None, help="write every figure to this file")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", choices=[b.value for b in Backend], default=Backend.REFERENCE.value,
+                   help="the step's ops: the XLA reference or the FFI kernels")
     p.add_argument("--compilation-cache", default=None, help="persistent JAX compilation cache directory")
     p.add_argument("--check-finite", action=argparse.BooleanOptionalAction, default=True,
                    help="compile one extra logits program for the first case and check its logits are finite")
@@ -823,7 +829,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
                     index_format=IndexKeyFormat(a.index_format), quantized=a.quantized, dtype_name=a.dtype,
                     hbm_tbps=a.hbm_tbps, json_path=a.json_path, seed=a.seed,
                     compilation_cache=a.compilation_cache, check_finite=a.check_finite, deployment=deployment,
-                    mesh=a.mesh or ())
+                    mesh=a.mesh or (), backend=Backend(a.backend))
 
 
 def _log(msg: str) -> None:
@@ -845,6 +851,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 layers=s.layers, layer_types=",".join(_KIND_NAMES[k] for k in cfg.layer_types),
                 mlp_layer_types=",".join(k.name.lower() for k in cfg.mlp_layer_types), quantized=s.quantized,
                 dtype=s.dtype_name, kv_format=s.kv_format.value, index_format=s.index_format.value,
+                backend=s.backend.value,
                 context=s.context, steps=s.steps, warmup=s.warmup, hbm_tbps=s.hbm_tbps,
                 page_tokens=default_page_tokens(cfg), max_spec_tokens=MAX_SPEC_TOKENS,
                 state="decode state contents synthetic (zero state, start = context + step)",

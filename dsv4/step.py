@@ -188,6 +188,7 @@ class StepRunner:
         self.buckets = tuple(sorted(set(buckets)))
         if placement is not None:
             ops = placement.shard_ops(ops)
+        self.ops = ops  # what the step runs (shard-local wrappers on a mesh)
         step = make_step(graphdef, geometry, ops, return_logits=return_logits, max_logprobs=max_logprobs)
         init = lambda: init_state(config, geometry)  # noqa: E731
         self._init_state = jax.jit(init) if placement is None else None

@@ -26,6 +26,14 @@ def test_step_bench_runs_decode_and_prefill_cases_and_writes_its_results(tmp_pat
     assert decode["logits_finite"] is True  # checked once, on the first case
 
 
+def test_step_bench_runs_the_step_on_the_ffi_kernels(tmp_path, capsys):
+    out = main(["--config", "tiny", "--layers", "3", "--decode", "2", "--prefill", "none", "--context", "40",
+                "--steps", "2", "--warmup", "1", "--backend", "ffi"])
+    assert out["meta"]["backend"] == "ffi"
+    assert out["cases"][0]["status"] == "ok" and out["cases"][0]["logits_finite"] is True
+    assert "--backend ffi" in capsys.readouterr().out  # the BENCHMARKS row repeats it
+
+
 def test_step_bench_runs_the_sharded_step_and_estimates_its_collectives(tmp_path):
     path = tmp_path / "bench_tp2.json"
     out = main(["--config", "tiny", "--layers", "3", "--decode", "2", "--prefill", "none", "--context", "40",
@@ -101,6 +109,7 @@ def test_ffi_bench_times_each_op_on_both_backends_against_the_roofline(tmp_path)
     out = ffi_bench.main(["--config", "tiny", "--decode", "2", "--prefill", "32", "--context", "64", "--steps", "2",
                           "--warmup", "1", "--inner", "3", "--json", str(path)])
     assert json.loads(path.read_text()) == out
+    assert out["meta"]["loop_floor_ms"] > 0
     results = out["results"]
     assert [(r["op"], r["case"]) for r in results] == [
         (op, case) for case in ("decode C2", "prefill 32") for op in ("sparse_attention", "indexer_topk", "kv_write")]
