@@ -75,8 +75,10 @@ __device__ __forceinline__ bool Before(float sa, int32_t ia, float sb, int32_t i
 // The stored row of candidate s: its page's row, or the last row for an unallocated page (the
 // reference's clipped gather), clipped to the table too.
 __device__ __forceinline__ int64_t CandidateRow(const int32_t* pages, int64_t epp, int64_t s, int64_t rows) {
-  const int64_t page = pages[s / epp];
-  return page >= 0 ? min(page * epp + s % epp, rows - 1) : rows - 1;
+  // 32-bit division (S < 2^31; a 64-bit one is a long software routine on the GPU).
+  const int32_t s32 = static_cast<int32_t>(s), epp32 = static_cast<int32_t>(epp);
+  const int64_t page = pages[s32 / epp32];
+  return page >= 0 ? min(page * epp + s32 % epp32, rows - 1) : rows - 1;
 }
 
 // Scores of candidates [0, visible) into row_scores on tensor cores (the kernel comment).

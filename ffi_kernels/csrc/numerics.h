@@ -96,11 +96,13 @@ DSV4_HD uint8_t FloatToE8m0(float x) {
   return bad ? 255 : static_cast<uint8_t>(byte);
 }
 
-// e2m1 code -> value (bit 3 is the sign; code 8 is -0).
+// e2m1 code -> value (bit 3 is the sign; code 8 is -0): 0, 0.5, 1, 1.5, 2, 3, 4, 6. Built from
+// bits (exponent e = code bits 1-2, mantissa bit 0) rather than a table, which a GPU keeps in
+// local memory.
 DSV4_HD float E2m1ToFloat(uint8_t code) {
-  const float mags[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-  const float m = mags[code & 7u];
-  return (code & 8u) ? -m : m;
+  const uint32_t e = (code >> 1) & 3u, m = code & 1u;
+  const uint32_t mag = e ? ((e + 126u) << 23) | (m << 22) : (m ? 0x3f000000u : 0u);  // 0.5 = 0x3f000000
+  return BitsToFloat(mag | (static_cast<uint32_t>(code & 8u) << 28));
 }
 
 // The code of a value already on the e2m1 grid, sign bit kept (-0 -> 8).

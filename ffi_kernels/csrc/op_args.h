@@ -2,6 +2,7 @@
 // shapes and table views the kernels use out, or an InvalidArgument error naming the problem.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 #include "ffi_args.h"
@@ -84,6 +85,7 @@ inline ffi::Error ParseIndexer(const ffi::AnyBuffer& q, const ffi::Buffer<ffi::F
   if (entries_per_page <= 0) return Invalid("entries_per_page must be positive");
   if (limit.dimensions().size() != 1 || limit.dimensions()[0] != a->t) return Invalid("limit must be [T]");
   a->p = pd[1], a->epp = entries_per_page, a->s = a->p * a->epp;
+  if (a->s > INT32_MAX) return Invalid("at most 2^31 - 1 candidates per query (P x entries_per_page)");
   if (ids_dims.size() != 2 || ids_dims[0] != a->t || ids_dims[1] > a->s) {
     return Invalid("ids must be [T, k] with k <= S");
   }
