@@ -3,7 +3,7 @@
     python -m bench.ffi_bench [--config flash|tiny] [--decode 1,8,32,64] [--prefill 0] [--context 4096]
         [--kv-format fp8|dense] [--index-format fp4|fp8|dense] [--backends ffi,reference]
         [--ops sparse_attention,indexer_topk,kv_write]
-        [--steps 10] [--warmup 2] [--inner 20] [--dtype bfloat16] [--hbm-tbps 4.3] [--tflops 790] [--json PATH]
+        [--steps 10] [--warmup 2] [--inner 20] [--timing loop|profile] [--dtype bfloat16] [--hbm-tbps 4.3] [--tflops 790] [--json PATH]
 
 Ops and cases (one CSA layer's worth; synthetic tables of random entries in the stored format):
 - sparse_attention: C queries (decode C) or P queries (a prefill chunk of P tokens), each over
@@ -25,6 +25,11 @@ the launch gaps of back-to-back kernels but without the host's dispatch of a lon
 The loop itself still costs something per iteration (on the H200 ~35-45 us: XLA's while loop
 reads its predicate back to the host each turn); the same loop around no op is timed first
 and reported as `loop_floor_ms`: read decode figures near it as "at most this fast".
+
+`--timing profile` (GPU only) measures device time instead: the one-call program runs
+`--steps` times under `jax.profiler.trace`, and the figure is the time during which any
+event of the trace's GPU tracks ran (the union of their intervals: kernels, copies, the
+program span) per call, so neither host dispatch nor the loop enters it.
 """
 
 from __future__ import annotations
@@ -32,8 +37,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gzip
 import json
+import math
+import pathlib
 import sys
+import tempfile
 import time
 from typing import Callable, Sequence
 
@@ -64,6 +73,7 @@ class Settings:
     steps: int
     warmup: int
     inner: int
+    timing: str  # "loop" | "profile"
     dtype_name: str
     hbm_tbps: float
     tflops: float
@@ -195,6 +205,39 @@ def time_call(program, args, s: Settings) -> tuple[float, float]:
     return compile_s, float(np.median(times))
 
 
+def device_busy_ms(events: Sequence[dict], device_prefix: str = "/device:GPU") -> float:
+    """Milliseconds during which any complete event of a device track ran, from a Chrome /
+    Perfetto trace's events (the union of their [ts, ts + dur) intervals, in microseconds)."""
+    devices = {e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+               and str(e.get("args", {}).get("name", "")).startswith(device_prefix)}
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0.0)) for e in events
+                   if e.get("ph") == "X" and e.get("pid") in devices)
+    busy, end = 0.0, -math.inf
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy / 1e3
+
+
+def profile_call(program, args, s: Settings) -> tuple[float, float]:
+    """(compile s, device ms per call) of program(*args), from a profiler trace of s.steps calls."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(program(*args))
+    compile_s = time.perf_counter() - t0
+    for _ in range(s.warmup):
+        jax.block_until_ready(program(*args))
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            for _ in range(s.steps):
+                jax.block_until_ready(program(*args))
+        (trace,) = pathlib.Path(log_dir).rglob("perfetto_trace.json.gz")
+        with gzip.open(trace) as f:
+            data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return compile_s, device_busy_ms(events) / s.steps
+
+
 def run_op(op: str, cfg: ModelConfig, case: Case, s: Settings, log) -> dict:
     make, attr = OPS[op]
     args, nbytes, flops = make(cfg, case, s, jax.random.key(0))
@@ -202,9 +245,10 @@ def run_op(op: str, cfg: ModelConfig, case: Case, s: Settings, log) -> dict:
     result = {"op": op, "case": case.name, "queries": case.queries, "bytes": nbytes, "flops": flops,
               "roofline_ms": roofline_ms, "status": "ok"}
     for backend in s.backends:
-        program, live = repeated(getattr(ops_for(backend), attr), args, _STATIC[op], s.inner, op == "kv_write")
+        inner = s.inner if s.timing == "loop" else 1
+        program, live = repeated(getattr(ops_for(backend), attr), args, _STATIC[op], inner, op == "kv_write")
         try:
-            compile_s, ms = time_call(program, live, s)
+            compile_s, ms = (time_call if s.timing == "loop" else profile_call)(program, live, s)
         except Exception as e:  # noqa: BLE001 - one backend out of memory must not hide the others' figures
             if not _is_oom(e):
                 raise
@@ -224,7 +268,7 @@ def command(s: Settings) -> str:
     return (f"python -m bench.ffi_bench --config {s.config_name} --decode {','.join(map(str, s.decode)) or repr('')} "
             f"--prefill {s.prefill} --context {s.context} --kv-format {s.kv_format} --index-format {s.index_format} "
             f"--backends {','.join(s.backends)} --ops {','.join(s.ops)} "
-            f"--steps {s.steps} --inner {s.inner}")
+            f"--steps {s.steps} --inner {s.inner} --timing {s.timing}")
 
 
 def markdown_row(r: dict, meta: dict, s: Settings) -> str:
@@ -233,7 +277,11 @@ def markdown_row(r: dict, meta: dict, s: Settings) -> str:
     else:
         parts = [f"{b} {r[b]['ms']:.4g} ms ({r[b]['gbps']:.4g} GB/s, {r[b]['tflops']:.3g} TFLOP/s)"
                  if "ms" in r[b] else f"{b} {r[b]['status']}" for b in s.backends]
-        figure = "; ".join(parts) + f"; roofline {r['roofline_ms']:.3g} ms; loop floor {meta['loop_floor_ms']:.3g} ms"
+        figure = "; ".join(parts) + f"; roofline {r['roofline_ms']:.3g} ms"
+        if s.timing == "loop":
+            figure += f"; loop floor {meta['loop_floor_ms']:.3g} ms"
+        else:
+            figure += " (device time from a profile)"
         ratio = "; ".join(f"{b} {r[b]['over_roofline']:.3g}x roofline" for b in s.backends if "ms" in r[b])
         if "ffi_speedup" in r:
             x = r["ffi_speedup"]
@@ -257,6 +305,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--inner", type=int, default=20, help="calls per timed program (a device loop)")
+    p.add_argument("--timing", choices=("loop", "profile"), default="loop",
+                   help="loop: wall time of a device loop / --inner; profile: GPU device time from a trace")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--hbm-tbps", type=float, default=4.3)
     p.add_argument("--tflops", type=float, default=790.0)
@@ -270,8 +320,10 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         p.error(f"--ops: unknown {sorted(set(ops) - set(OPS))}; choose from {list(OPS)}")
     if a.context % CONFIGS[a.config].csa_ratio or a.prefill < 0 or a.inner < 1:
         p.error("--context must be a multiple of the CSA ratio, --prefill >= 0 and --inner >= 1")
+    if a.timing == "profile" and jax.default_backend() != "gpu":
+        p.error("--timing profile reads the trace's GPU tracks: it needs a GPU (use --timing loop)")
     return Settings(a.config, a.decode, a.prefill, a.context, a.kv_format, a.index_format, backends, ops, a.steps,
-                    a.warmup, a.inner, a.dtype, a.hbm_tbps, a.tflops, a.json_path)
+                    a.warmup, a.inner, a.timing, a.dtype, a.hbm_tbps, a.tflops, a.json_path)
 
 
 def _log(msg: str) -> None:
@@ -282,10 +334,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     s = parse_args(argv)
     cfg = CONFIGS[s.config_name]
     meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
-            "jax_version": jax.__version__, "command": command(s), "hbm_tbps": s.hbm_tbps, "tflops": s.tflops}
-    floor_program, floor_args = repeated(lambda x: x, (jnp.zeros((1,), jnp.float32),), (), s.inner, False)
-    meta["loop_floor_ms"] = time_call(floor_program, floor_args, s)[1]
-    _log(f"device loop floor: {meta['loop_floor_ms']:.4g} ms per iteration")
+            "jax_version": jax.__version__, "command": command(s), "hbm_tbps": s.hbm_tbps, "tflops": s.tflops,
+            "timing": s.timing}
+    if s.timing == "loop":
+        floor_program, floor_args = repeated(lambda x: x, (jnp.zeros((1,), jnp.float32),), (), s.inner, False)
+        meta["loop_floor_ms"] = time_call(floor_program, floor_args, s)[1]
+        _log(f"device loop floor: {meta['loop_floor_ms']:.4g} ms per iteration")
     cases = [Case(f"decode C{c}", c, c, s.context) for c in s.decode]
     if s.prefill:
         cases.append(Case(f"prefill {s.prefill}", s.prefill, 1, s.prefill))

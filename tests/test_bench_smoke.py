@@ -120,3 +120,30 @@ def test_ffi_bench_times_each_op_on_both_backends_against_the_roofline(tmp_path)
         assert r["ffi_speedup"] == pytest.approx(r["reference"]["ms"] / r["ffi"]["ms"])
     attn = results[0]  # 2 queries x (16 window rows + 4 top-k entries), 6 heads of 40
     assert attn["flops"] == 4.0 * 2 * 6 * 40 * (16 + 4)
+
+
+def test_ffi_bench_device_time_is_the_union_of_the_device_tracks_events():
+    from bench.ffi_bench import device_busy_ms
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+    events = meta + [
+        {"ph": "X", "pid": 1, "ts": 0.0, "dur": 100.0},   # the program span
+        {"ph": "X", "pid": 1, "ts": 10.0, "dur": 30.0},   # a kernel inside it
+        {"ph": "X", "pid": 1, "ts": 90.0, "dur": 40.0},   # overlapping its end
+        {"ph": "X", "pid": 1, "ts": 200.0, "dur": 50.0},  # a second call
+        {"ph": "X", "pid": 2, "ts": 0.0, "dur": 1e6},     # host events do not count
+        {"ph": "i", "pid": 1, "ts": 300.0},               # nor instants
+    ]
+    assert device_busy_ms(events) == pytest.approx((130.0 + 50.0) / 1e3)
+    assert device_busy_ms(meta) == 0.0
+
+
+def test_ffi_bench_profile_timing_needs_a_gpu():
+    import jax
+    from bench import ffi_bench
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("this platform has a GPU")
+    with pytest.raises(SystemExit):
+        ffi_bench.parse_args(["--timing", "profile"])
