@@ -9,9 +9,10 @@
 // candidates are decoded once into shared memory as bf16 (every e2m1/e4m3 x E8M0 value is
 // exact there) and Q K^T is an mma.sync product, its ReLU-weighted head sum reduced in
 // registers; otherwise one warp per candidate in f32 FMA. (2) A radix select over the
-// scores' order-preserving bit patterns (4 passes of 8 bits) finds the k-th largest. (3) Every candidate above it is kept,
-// and of those equal to it the lowest-numbered ones, in candidate order. (4) A bitonic sort
-// orders the kept ones by (score desc, candidate asc), the reference's order.
+// scores' order-preserving bit patterns (4 passes of 8 bits) finds the k-th largest.
+// (3) Every candidate above it is kept, and of those equal to it the lowest-numbered ones,
+// in candidate order. (4) A bitonic sort orders the kept ones by (score desc, candidate
+// asc), the reference's order.
 #include <cuda_runtime.h>
 
 #include <algorithm>
