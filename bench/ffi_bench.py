@@ -3,7 +3,8 @@
     python -m bench.ffi_bench [--config flash|tiny] [--decode 1,8,32,64] [--prefill 0] [--context 4096]
         [--kv-format fp8|dense] [--index-format fp4|fp8|dense] [--backends ffi,reference]
         [--ops sparse_attention,indexer_topk,kv_write]
-        [--steps 10] [--warmup 2] [--inner 20] [--timing loop|profile] [--dtype bfloat16] [--hbm-tbps 4.3] [--tflops 790] [--json PATH]
+        [--steps 10] [--warmup 2] [--inner 20] [--timing loop|profile] [--dtype bfloat16]
+        [--hbm-tbps 4.3] [--tflops 790] [--json PATH]
 
 Ops and cases (one CSA layer's worth; synthetic tables of random entries in the stored format):
 - sparse_attention: C queries (decode C) or P queries (a prefill chunk of P tokens), each over

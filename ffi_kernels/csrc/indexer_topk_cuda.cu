@@ -357,7 +357,8 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
 // current device, for i heads of dim j (0 if none fit). Called by the handler and, through
 // ctypes, by dsv4/ops/indexer_topk/ffi.py to decide whether to pass a scores scratch.
 extern "C" int64_t Dsv4IndexerOnChipCandidates(int64_t i, int64_t j) {
-  const int64_t free = dsv4::OptInSharedBytes() - dsv4::kStaticSharedBytes - static_cast<int64_t>(dsv4::RegionBytes(i, j));
+  const int64_t region = static_cast<int64_t>(dsv4::RegionBytes(i, j));
+  const int64_t free = dsv4::OptInSharedBytes() - dsv4::kStaticSharedBytes - region;
   return free > 0 ? free / static_cast<int64_t>(sizeof(float)) : 0;
 }
 

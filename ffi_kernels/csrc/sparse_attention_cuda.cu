@@ -166,8 +166,8 @@ __global__ void __launch_bounds__(kTcThreads)
   for (int e = threadIdx.x; e < kTcHeads * chunks; e += kTcThreads) {
     const int r = e / chunks, k = 8 * (e % chunks);
     const int64_t head = head0 + r;
-    const uint4 v = head < n_n ? *reinterpret_cast<const uint4*>(q + (t * n_n + head) * h_n + k) : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(q_s + r * ld + k) = v;
+    *reinterpret_cast<uint4*>(q_s + r * ld + k) =
+        head < n_n ? *reinterpret_cast<const uint4*>(q + (t * n_n + head) * h_n + k) : make_uint4(0, 0, 0, 0);
   }
 
   const int64_t head_lo = head0 + group * 16 + g, head_hi = head_lo + 8;
@@ -300,10 +300,12 @@ __global__ void __launch_bounds__(kTcThreads)
     if (b >= out_blocks) break;
     const int64_t col = col0 + b * 8 + 2 * c;
     if (head_lo < n_n) {
-      *reinterpret_cast<uint32_t*>(out + (t * n_n + head_lo) * h_n + col) = PackBf16(o[b][0] * inv_lo, o[b][1] * inv_lo);
+      *reinterpret_cast<uint32_t*>(out + (t * n_n + head_lo) * h_n + col) =
+          PackBf16(o[b][0] * inv_lo, o[b][1] * inv_lo);
     }
     if (head_hi < n_n) {
-      *reinterpret_cast<uint32_t*>(out + (t * n_n + head_hi) * h_n + col) = PackBf16(o[b][2] * inv_hi, o[b][3] * inv_hi);
+      *reinterpret_cast<uint32_t*>(out + (t * n_n + head_hi) * h_n + col) =
+          PackBf16(o[b][2] * inv_hi, o[b][3] * inv_hi);
     }
   }
 }
@@ -313,13 +315,14 @@ __global__ void __launch_bounds__(kTcThreads)
 __global__ void CombineSplitsKernel(const float* split_o, const float* split_ml, uint16_t* out, int64_t splits,
                                     int64_t tn, int64_t h_n) {
   const int64_t row = blockIdx.x;  // t * N + head
+  const float2* ml = reinterpret_cast<const float2*>(split_ml);  // part p of this row: ml[p * tn + row]
   float big = kEmptyMax;
-  for (int64_t p = 0; p < splits; ++p) big = fmaxf(big, split_ml[(p * tn + row) * 2]);
+  for (int64_t p = 0; p < splits; ++p) big = fmaxf(big, ml[p * tn + row].x);
   float denom = 0.0f;
-  for (int64_t p = 0; p < splits; ++p) denom += exp2f(split_ml[(p * tn + row) * 2] - big) * split_ml[(p * tn + row) * 2 + 1];
+  for (int64_t p = 0; p < splits; ++p) denom += exp2f(ml[p * tn + row].x - big) * ml[p * tn + row].y;
   for (int64_t k = threadIdx.x; k < h_n; k += blockDim.x) {
     float acc = 0.0f;
-    for (int64_t p = 0; p < splits; ++p) acc += exp2f(split_ml[(p * tn + row) * 2] - big) * split_o[(p * tn + row) * h_n + k];
+    for (int64_t p = 0; p < splits; ++p) acc += exp2f(ml[p * tn + row].x - big) * split_o[(p * tn + row) * h_n + k];
     out[row * h_n + k] = FloatToBf16(acc / denom);
   }
 }
@@ -342,7 +345,9 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
   // Once per process: allow the largest tile set (head dim 512) above the 48 KB default.
   static const cudaError_t attr = cudaFuncSetAttribute(
       TensorCoreAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, TensorCoreSharedBytes(kMaxHeadDim));
-  if (attr != cudaSuccess) return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr));
+  if (attr != cudaSuccess) {
+    return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr));
+  }
   const int64_t tiles = (a.w + a.x + kTile - 1) / kTile;
   const int64_t splits = std::max<int64_t>(1, std::min(a.splits, tiles));
   const int64_t per_split = (tiles + splits - 1) / splits;
