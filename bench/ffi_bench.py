@@ -192,11 +192,16 @@ def repeated(fn: Callable, args: tuple, static: tuple[int, ...], reps: int, carr
     return jax.jit(program), tuple(args[k] for k in dynamic)
 
 
-def time_call(program, args, s: Settings) -> tuple[float, float]:
-    """(compile s, median ms per call) of a program of s.inner calls."""
+def first_call_seconds(program, args) -> float:
+    """Seconds of program(*args)'s first call (compile and run)."""
     t0 = time.perf_counter()
     jax.block_until_ready(program(*args))
-    compile_s = time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+def time_call(program, args, s: Settings) -> tuple[float, float]:
+    """(compile s, median ms per call) of a program of s.inner calls."""
+    compile_s = first_call_seconds(program, args)
     times = []
     for i in range(s.warmup + s.steps):
         t0 = time.perf_counter()
@@ -223,9 +228,7 @@ def device_busy_ms(events: Sequence[dict], device_prefix: str = "/device:GPU") -
 
 def profile_call(program, args, s: Settings) -> tuple[float, float]:
     """(compile s, device ms per call) of program(*args), from a profiler trace of s.steps calls."""
-    t0 = time.perf_counter()
-    jax.block_until_ready(program(*args))
-    compile_s = time.perf_counter() - t0
+    compile_s = first_call_seconds(program, args)
     for _ in range(s.warmup):
         jax.block_until_ready(program(*args))
     with tempfile.TemporaryDirectory() as log_dir:
