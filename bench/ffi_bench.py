@@ -211,13 +211,17 @@ def time_call(program, args, s: Settings) -> tuple[float, float]:
     return compile_s, float(np.median(times))
 
 
+def _device_events(events: Sequence[dict], device_prefix: str) -> list[dict]:
+    """The complete ("X") events of a Chrome / Perfetto trace's device tracks."""
+    devices = {e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+               and str(e.get("args", {}).get("name", "")).startswith(device_prefix)}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in devices]
+
+
 def device_busy_ms(events: Sequence[dict], device_prefix: str = "/device:GPU") -> float:
     """Milliseconds during which any complete event of a device track ran, from a Chrome /
     Perfetto trace's events (the union of their [ts, ts + dur) intervals, in microseconds)."""
-    devices = {e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-               and str(e.get("args", {}).get("name", "")).startswith(device_prefix)}
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0.0)) for e in events
-                   if e.get("ph") == "X" and e.get("pid") in devices)
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0.0)) for e in _device_events(events, device_prefix))
     busy, end = 0.0, -math.inf
     for start, stop in spans:
         if stop > end:
@@ -226,8 +230,20 @@ def device_busy_ms(events: Sequence[dict], device_prefix: str = "/device:GPU") -
     return busy / 1e3
 
 
+def device_events_ms(events: Sequence[dict], per: int, top: int = 8,
+                     device_prefix: str = "/device:GPU") -> dict[str, float]:
+    """The `top` device-track event names by total duration, in ms per `per` calls: which
+    kernels (and XLA ops / modules, on their own tracks) the time went to."""
+    totals: dict[str, float] = {}
+    for e in _device_events(events, device_prefix):
+        totals[e["name"]] = totals.get(e["name"], 0.0) + e.get("dur", 0.0)
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return {name: us / 1e3 / per for name, us in ranked}
+
+
 def profile_call(program, args, s: Settings) -> tuple[float, float]:
-    """(compile s, device ms per call) of program(*args), from a profiler trace of s.steps calls."""
+    """(compile s, device ms per call) of program(*args), from a profiler trace of s.steps calls;
+    the trace's busiest device events per call are logged."""
     compile_s = first_call_seconds(program, args)
     for _ in range(s.warmup):
         jax.block_until_ready(program(*args))
@@ -239,6 +255,8 @@ def profile_call(program, args, s: Settings) -> tuple[float, float]:
         with gzip.open(trace) as f:
             data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
+    for name, ms in device_events_ms(events, s.steps).items():
+        _log(f"    {ms:9.4f} ms per call  {name[:150]}")
     return compile_s, device_busy_ms(events) / s.steps
 
 

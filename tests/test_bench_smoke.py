@@ -139,6 +139,23 @@ def test_ffi_bench_device_time_is_the_union_of_the_device_tracks_events():
     assert device_busy_ms(meta) == 0.0
 
 
+def test_ffi_bench_device_events_rank_names_by_time_per_call():
+    from bench.ffi_bench import device_events_ms
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+    events = meta + [
+        {"ph": "X", "pid": 1, "name": "attention", "ts": 0.0, "dur": 300.0},
+        {"ph": "X", "pid": 1, "name": "combine", "ts": 300.0, "dur": 20.0},
+        {"ph": "X", "pid": 1, "name": "attention", "ts": 400.0, "dur": 100.0},
+        {"ph": "X", "pid": 2, "name": "host", "ts": 0.0, "dur": 1e6},
+    ]
+    ranked = device_events_ms(events, per=2)
+    assert list(ranked) == ["attention", "combine"]
+    assert ranked["attention"] == pytest.approx(0.2) and ranked["combine"] == pytest.approx(0.01)
+    assert list(device_events_ms(events, per=2, top=1)) == ["attention"]
+
+
 def test_ffi_bench_profile_timing_needs_a_gpu():
     import jax
     from bench import ffi_bench
