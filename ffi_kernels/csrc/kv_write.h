@@ -31,6 +31,33 @@ inline WritableTable Writable(const TableView& v, void* values, void* scales, vo
 
 DSV4_HD float RoundToGrid(Grid grid, float y) { return grid == Grid::kE4m3 ? RoundE4m3(y) : RoundE2m1(y); }
 
+// The E8M0 scale byte of a block whose largest magnitude is amax (quant._quantize_blocks).
+DSV4_HD uint8_t GridScaleByte(Grid grid, float amax) {
+  return BlockScaleByte(amax, grid == Grid::kE4m3 ? kFp8Max : kFp4Max);
+}
+
+// The e2m1 code of input value v in a block of the given scale.
+DSV4_HD uint8_t E2m1Code(Grid grid, float v, float scale) { return GridFloatToE2m1(RoundToGrid(grid, v / scale)); }
+
+// Sets the nibble of packed e2m1 value `at` (of the whole values array; low nibble first),
+// keeping the other nibble of its byte.
+DSV4_HD void StoreE2m1Nibble(const WritableTable& t, int64_t at, uint8_t code) {
+  uint8_t* byte = static_cast<uint8_t*>(t.values) + at / 2;
+  *byte = (at & 1) ? static_cast<uint8_t>((*byte & 0x0fu) | (code << 4)) : static_cast<uint8_t>((*byte & 0xf0u) | code);
+}
+
+// Stores input value v of column k (< quant_width) of row `row`, quantised in a block of the
+// given scale, for every values type but packed e2m1 (E2m1Code / StoreE2m1Nibble).
+DSV4_HD void StoreQuantValue(const WritableTable& t, int64_t row, int64_t k, Grid grid, float v, float scale) {
+  const float g = RoundToGrid(grid, v / scale);
+  const int64_t at = row * t.values_width + k;
+  if (t.values_type == Elem::kE4m3) {
+    static_cast<uint8_t*>(t.values)[at] = GridFloatToE4m3(g);
+  } else {
+    StoreFloat(t.values, t.values_type, at, g * scale);  // dense fake-quant values
+  }
+}
+
 // Encodes block `b` (columns [b * block, min((b + 1) * block, quant_width))) of one input row
 // `x` (f32 | bf16, `x_type`) into row `row` of `t`, as quant._quantize_blocks then the codec.
 DSV4_HD void WriteQuantBlock(const WritableTable& t, int64_t row, const void* x, Elem x_type, int64_t x_offset,
@@ -38,30 +65,21 @@ DSV4_HD void WriteQuantBlock(const WritableTable& t, int64_t row, const void* x,
   const int64_t lo = b * block, hi = lo + block < quant_width ? lo + block : quant_width;
   float amax = 0.0f;
   for (int64_t k = lo; k < hi; ++k) amax = fmaxf(amax, fabsf(LoadElem(x, x_type, x_offset + k)));
-  const uint8_t scale_byte = BlockScaleByte(amax, grid == Grid::kE4m3 ? kFp8Max : kFp4Max);
+  const uint8_t scale_byte = GridScaleByte(grid, amax);
   const float scale = E8m0ToFloat(scale_byte);
   if (t.scales_width) t.scales[row * t.scales_width + b] = scale_byte;
   for (int64_t k = lo; k < hi; ++k) {
-    const float g = RoundToGrid(grid, LoadElem(x, x_type, x_offset + k) / scale);
-    const int64_t at = row * t.values_width + k;
-    switch (t.values_type) {
-      case Elem::kE4m3: static_cast<uint8_t*>(t.values)[at] = GridFloatToE4m3(g); break;
-      case Elem::kE2m1x2: {
-        uint8_t* byte = static_cast<uint8_t*>(t.values) + at / 2;
-        const uint8_t code = GridFloatToE2m1(g);
-        *byte = (at & 1) ? static_cast<uint8_t>((*byte & 0x0fu) | (code << 4))
-                         : static_cast<uint8_t>((*byte & 0xf0u) | code);
-        break;
-      }
-      default: StoreFloat(t.values, t.values_type, at, g * scale);  // dense fake-quant values
+    const float v = LoadElem(x, x_type, x_offset + k);
+    if (t.values_type == Elem::kE2m1x2) {
+      StoreE2m1Nibble(t, row * t.values_width + k, E2m1Code(grid, v, scale));
+    } else {
+      StoreQuantValue(t, row, k, grid, v, scale);
     }
   }
 }
 
-// The columns past quant_width: values stored as they are, then the rope part.
-DSV4_HD void WritePlainColumn(const WritableTable& t, int64_t row, const void* x, Elem x_type, int64_t x_offset,
-                              int64_t k) {
-  const float v = LoadElem(x, x_type, x_offset + k);
+// Column k (>= quant_width) of a row: stored as it is, in the values part or the rope after it.
+DSV4_HD void WritePlainColumn(const WritableTable& t, int64_t row, int64_t k, float v) {
   if (k < t.values_width) {
     StoreFloat(t.values, t.values_type, row * t.values_width + k, v);
   } else {

@@ -31,7 +31,9 @@ ffi::Error KvWriteImpl(ffi::AnyBuffer values, ffi::AnyBuffer scales, ffi::AnyBuf
     for (int64_t b = 0; b < n_blocks; ++b) {
       WriteQuantBlock(t, row, x.untyped_data(), a.x_type, i * width, a.grid, q_w, block, b);
     }
-    for (int64_t k = q_w; k < width; ++k) WritePlainColumn(t, row, x.untyped_data(), a.x_type, i * width, k);
+    for (int64_t k = q_w; k < width; ++k) {
+      WritePlainColumn(t, row, k, LoadElem(x.untyped_data(), a.x_type, i * width + k));
+    }
   }
   return ffi::Error::Success();
 }
