@@ -95,6 +95,19 @@ def indexer_on_chip_candidates(platform: str, heads: int, head_dim: int) -> int 
 
 
 @functools.cache
+def indexer_scratch_columns(platform: str, queries: int, candidates: int, heads: int, head_dim: int) -> int:
+    """The columns of the [T, S] scores scratch to pass the indexer kernel for T queries of S
+    candidates: S where the CUDA kernel scores in a separate pass (the score row does not fit on
+    chip, or decode's few queries spread over many blocks), 0 where it keeps each row on chip
+    and writes no score to HBM; always 0 off CUDA (the CPU kernel keeps its own row)."""
+    if platform != "cuda":
+        return 0
+    query = _LOADED[platform].Dsv4IndexerScratchColumns
+    query.restype, query.argtypes = ctypes.c_int64, [ctypes.c_int64] * 4
+    return int(query(queries, candidates, heads, head_dim))
+
+
+@functools.cache
 def multiprocessors(platform: str) -> int | None:
     """The current CUDA device's multiprocessor count (None off CUDA, or if it cannot be read)."""
     if platform != "cuda":

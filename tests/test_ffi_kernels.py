@@ -258,16 +258,26 @@ def test_indexer_topk_paged_matches_the_reference(fmt, dtype, topk):
     assert (np.asarray(got)[0] == -1).all()
 
 
+@pytest.mark.parametrize("mode", ["fused", "scored"])
 @pytest.mark.parametrize("fmt", [EntryFormat.INDEX_FP8, EntryFormat.INDEX_FP4])
-def test_indexer_topk_with_a_scores_scratch_matches_the_reference(monkeypatch, fmt):
-    # As if no score row fitted on chip: the kernels get a [T, S] scratch to keep them in.
-    monkeypatch.setattr(ffi_kernels, "indexer_on_chip_candidates", lambda *args: 0)
-    rng = np.random.default_rng(4)
-    t, pages, epp, topk = 6, 6, 4, 16
-    q, w, keys, page_table = _indexer_case(rng, fmt, jnp.bfloat16, t, pages, epp, rows=30)
-    limit = jnp.asarray([0, 3, 5, 24, 30, 17], jnp.int32)
-    want = indexer_ref.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
-    got = indexer_ffi.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+@pytest.mark.parametrize("topk", [16, 100])
+def test_indexer_topk_fused_and_scored_modes_match_the_reference(monkeypatch, mode, fmt, topk):
+    # Fused: each query's score row stays on chip. Scored: the scores go through a [T, S]
+    # scratch (on CUDA a separate pass over many blocks, as for decode or beyond the on-chip
+    # limit). 160 candidates are three 64-candidate tiles, the last one partial; repeated pages
+    # give equal scores, so the selection must break ties by candidate.
+    monkeypatch.setattr(ffi_kernels, "indexer_scratch_columns",
+                        lambda platform, t, s, i, j: s if mode == "scored" else 0)
+    rng = np.random.default_rng(topk)
+    t, pages, epp = 5, 10, 16
+    keys = _table(rng, fmt, 8 * epp, 64, 0, jnp.bfloat16)
+    q = jnp.asarray(rng.normal(size=(t, 4, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(t, 4)), jnp.float32)
+    page_table = rng.integers(0, 9, size=(t, pages)).astype(np.int32)  # page 8 is past the table: clipped
+    page_table[2, 3] = -1
+    limit = jnp.asarray([0, 70, 130, 160, 200], jnp.int32)
+    want = indexer_ref.indexer_topk_paged(q, w, keys, jnp.asarray(page_table), epp, limit, topk)
+    got = indexer_ffi.indexer_topk_paged(q, w, keys, jnp.asarray(page_table), epp, limit, topk)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

@@ -1,18 +1,24 @@
 // indexer_topk on CUDA: the twin of dsv4/ops/indexer_topk/reference.py and of
 // indexer_topk_cpu.cc (same arguments, same semantics).
 //
-// One block per query. (1) The scores of its visible candidates go to the query's score row,
-// kept in shared memory when it fits there (Dsv4IndexerOnChipCandidates: S up to about 48k
-// candidates, ~190k tokens of context at ratio 4, on an H200) and in the `scores` scratch
-// result [T, S] otherwise (the caller must then pass one; [T, 0] means none). With bf16 q
-// (up to 64 heads of dim <= 128, a multiple of 16) the scores run on tensor cores: tiles of 64
-// candidates are decoded once into shared memory as bf16 (every e2m1/e4m3 x E8M0 value is
-// exact there) and Q K^T is an mma.sync product, its ReLU-weighted head sum reduced in
-// registers; otherwise one warp per candidate in f32 FMA. (2) A radix select over the
-// scores' order-preserving bit patterns (4 passes of 8 bits) finds the k-th largest.
-// (3) Every candidate above it is kept, and of those equal to it the lowest-numbered ones,
-// in candidate order. (4) A bitonic sort orders the kept ones by (score desc, candidate
-// asc), the reference's order.
+// (1) Scores. With bf16 q (up to 64 heads of dim <= 128, a multiple of 16) on tensor cores:
+// tiles of 64 candidates are decoded once into shared memory as bf16 (every e2m1/e4m3 x E8M0
+// value is exact there) and Q K^T is an mma.sync product, its ReLU-weighted head sum reduced
+// in registers; a tile's key loads are issued before the previous tile's products, so they
+// overlap. Otherwise one warp per candidate in f32 FMA. Where the scores go:
+//   - fused (no scratch, [T, 0]): one block per query scores its visible candidates into a
+//     score row in shared memory (Dsv4IndexerOnChipCandidates: up to ~48k candidates, ~190k
+//     tokens of context at ratio 4, on an H200) and selects from it: no score reaches HBM.
+//     This serves the prefill chunk, whose thousands of queries fill the GPU.
+//   - scored (a [T, S] scratch): IndexerScoreKernel spreads each query's candidates over many
+//     blocks and writes the scores to the scratch, then the selection kernel reads them back.
+//     Dsv4IndexerScratchColumns asks for this when the score row does not fit on chip, and
+//     for decode, where one block per query would leave most multiprocessors idle (a few
+//     queries' score rows, ~4 KB each at a 4k context, against the keys' 70 KB read).
+// (2) A radix select over the scores' order-preserving bit patterns (4 passes of 8 bits, each
+// histogram's bin found by a block-wide scan) finds the k-th largest. (3) Every candidate
+// above it is kept, and of those equal to it the lowest-numbered ones. (4) A bitonic sort
+// orders the kept ones by (score desc, candidate asc), the reference's order.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -23,6 +29,8 @@
 #include "op_args.h"
 
 extern "C" int64_t Dsv4IndexerOnChipCandidates(int64_t i, int64_t j);
+extern "C" int64_t Dsv4IndexerScratchColumns(int64_t t, int64_t s, int64_t i, int64_t j);
+extern "C" int64_t Dsv4MultiprocessorCount();  // sparse_attention_cuda.cu
 
 namespace dsv4 {
 namespace {
@@ -60,8 +68,9 @@ int64_t OptInSharedBytes() {
   return bytes;
 }
 
-// Static shared memory of the kernel (histogram, counters) and slack.
-constexpr int64_t kStaticSharedBytes = 2 * 1024;
+// Static shared memory of the fused kernel (histogram, counters, a tile's stored rows; 2.3 KB
+// on SM90) and slack.
+constexpr int64_t kStaticSharedBytes = 4 * 1024;
 
 // Larger float -> larger key; -0 and +0 share a key (they tie in the reference).
 __device__ __forceinline__ uint32_t OrderKey(float v) {
@@ -82,47 +91,68 @@ __device__ __forceinline__ int64_t CandidateRow(const int32_t* pages, int64_t ep
   return page >= 0 ? min(page * epp + s32 % epp32, rows - 1) : rows - 1;
 }
 
-// Scores of candidates [0, visible) into row_scores on tensor cores (the kernel comment).
-// Warp w: head group w % 4 (heads 16 (w % 4) .. +16) and candidates 32 (w / 4) .. +32 of the
-// tile; its 16 heads' w_i relu(dot) are summed in registers (rows g, g + 8, then across g by
-// shuffles) and the four head groups' sums added in a fixed order.
+// The candidates query t may see: its causal limit, clipped to [0, S] (none without keys).
+__device__ __forceinline__ int64_t VisibleCandidates(const TableView& keys, const int32_t* limit, int64_t t,
+                                                     int64_t s_n) {
+  return keys.rows ? min(max(static_cast<int64_t>(limit[t]), int64_t{0}), s_n) : 0;
+}
+
+// Scores of candidates [begin, end) of query t into row_scores[begin, end) on tensor cores (the
+// file comment). Warp w: head group w % 4 (heads 16 (w % 4) .. +16) and candidates
+// 32 (w / 4) .. +32 of the tile; its 16 heads' w_i relu(dot) are summed in registers (rows g,
+// g + 8, then across g by shuffles) and the four head groups' sums added in a fixed order.
+// Pipelined: the stored rows of tile n + 1 are resolved while tile n's keys are decoded, and
+// its keys loaded (into registers) before tile n's products run.
 __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& keys, const int32_t* page_table,
-                          int64_t p_n, int64_t epp, int64_t t, int64_t visible, int64_t i_n, int64_t j_n,
+                          int64_t p_n, int64_t epp, int64_t t, int64_t begin, int64_t end, int64_t i_n, int64_t j_n,
                           unsigned char* smem, float* row_scores) {
   __shared__ float w_s[kMmaRows];
+  __shared__ int64_t rows_s[2][kMmaRows];  // stored row of each candidate of the tile (-1 past the end)
   const int ld = static_cast<int>(j_n) + kPad;
   uint16_t* q_s = reinterpret_cast<uint16_t*>(smem);        // [kMmaRows heads][ld]
   uint16_t* k_s = q_s + kMmaRows * ld;                       // [kMmaRows candidates][ld]
   float* part = reinterpret_cast<float*>(k_s + kMmaRows * ld);  // [kMmaGroups][kMmaRows candidates]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = warp % kMmaGroups, half = warp / kMmaGroups;
   const int g = lane / 4, c = lane % 4, chunks = static_cast<int>(j_n / 8);
+  const int32_t* pages = page_table + t * p_n;
   for (int e = threadIdx.x; e < kMmaRows * chunks; e += kThreads) {
     const int r = e / chunks, k = 8 * (e % chunks);
     *reinterpret_cast<uint4*>(q_s + r * ld + k) =
         r < i_n ? *reinterpret_cast<const uint4*>(q + (t * i_n + r) * j_n + k) : make_uint4(0, 0, 0, 0);
   }
-  if (threadIdx.x < kMmaRows) w_s[threadIdx.x] = threadIdx.x < i_n ? w[t * i_n + threadIdx.x] : 0.0f;
+  if (threadIdx.x < kMmaRows) {
+    const int64_t s = begin + threadIdx.x;
+    w_s[threadIdx.x] = threadIdx.x < i_n ? w[t * i_n + threadIdx.x] : 0.0f;
+    rows_s[0][threadIdx.x] = s < end ? CandidateRow(pages, epp, s, keys.rows) : -1;
+  }
+  __syncthreads();
   constexpr int kFill = kMmaRows * (kMmaMaxDim / 8) / kThreads;  // 16-byte chunks per thread per tile
-  for (int64_t base = 0; base < visible; base += kMmaRows) {
-    __syncthreads();  // q and w staged; the previous tile's keys and partial sums consumed
-    RawEight raw[kFill];
+  RawEight raw[kFill];
+  auto load_tile = [&](const int64_t* rows) {
 #pragma unroll
     for (int u = 0; u < kFill; ++u) {
       const int e = threadIdx.x + u * kThreads, r = e / chunks, k = 8 * (e % chunks);
       raw[u] = {make_uint4(0, 0, 0, 0), 127};
-      if (e < kMmaRows * chunks && base + r < visible) {
-        raw[u] = LoadEight(keys, CandidateRow(page_table + t * p_n, epp, base + r, keys.rows), k);
-      }
+      if (e < kMmaRows * chunks && rows[r] >= 0) raw[u] = LoadEight(keys, rows[r], k);
     }
+  };
+  load_tile(rows_s[0]);
+  int buf = 0;
+  for (int64_t base = begin; base < end; base += kMmaRows, buf ^= 1) {
 #pragma unroll
     for (int u = 0; u < kFill; ++u) {
       const int e = threadIdx.x + u * kThreads, r = e / chunks, k = 8 * (e % chunks);
       if (e < kMmaRows * chunks) {
         *reinterpret_cast<uint4*>(k_s + r * ld + k) =
-            base + r < visible ? DecodeEight(keys, k, raw[u]) : make_uint4(0, 0, 0, 0);
+            rows_s[buf][r] >= 0 ? DecodeEight(keys, k, raw[u]) : make_uint4(0, 0, 0, 0);
       }
     }
-    __syncthreads();
+    if (threadIdx.x < kMmaRows) {
+      const int64_t s = base + kMmaRows + threadIdx.x;
+      rows_s[buf ^ 1][threadIdx.x] = s < end ? CandidateRow(pages, epp, s, keys.rows) : -1;
+    }
+    __syncthreads();  // the tile decoded, the next tile's rows resolved
+    if (base + kMmaRows < end) load_tile(rows_s[buf ^ 1]);  // in flight during the products
     float acc[4][4] = {};
     for (int k0 = 0; k0 < j_n; k0 += 16) {
       uint32_t a[4];
@@ -148,58 +178,115 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
         if (g == 0) part[group * kMmaRows + half * 32 + b * 8 + 2 * c + i] = v;
       }
     }
-    __syncthreads();
-    if (threadIdx.x < kMmaRows && base + threadIdx.x < visible) {
+    __syncthreads();  // the partial sums written; every warp done with k_s
+    if (threadIdx.x < kMmaRows && base + threadIdx.x < end) {
       const int r = threadIdx.x;
       row_scores[base + r] = ((part[r] + part[kMmaRows + r]) + part[2 * kMmaRows + r]) + part[3 * kMmaRows + r];
     }
   }
 }
 
-template <bool kTensorCores>
-__global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, TableView keys, const int32_t* page_table,
-                                  int64_t p_n, int64_t epp, const int32_t* limit, float* scores, int32_t* ids,
-                                  int64_t i_n, int64_t j_n, int64_t k_n) {
-  extern __shared__ unsigned char smem[];
-  __shared__ uint32_t hist[256];
-  __shared__ uint32_t prefix, want_mask, remaining, n_above, n_equal_taken;
-  __shared__ uint32_t warp_counts[kWarps];
-  const int64_t t = blockIdx.x, s_n = p_n * epp;
+// Scores of candidates [begin, end) of query t into row_scores[begin, end) in f32 FMA: q in
+// f32 in shared memory, one warp per candidate.
+__device__ void ScalarScores(const void* q, Elem q_type, const float* w, const TableView& keys,
+                             const int32_t* page_table, int64_t p_n, int64_t epp, int64_t t, int64_t begin,
+                             int64_t end, int64_t i_n, int64_t j_n, unsigned char* smem, float* row_scores) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t visible = keys.rows ? min(max(static_cast<int64_t>(limit[t]), int64_t{0}), s_n) : 0;
-  const int64_t kept = min(k_n, visible);
-  const size_t region = RegionBytes(i_n, j_n);
-  float* row_scores = scores ? scores + t * s_n : reinterpret_cast<float*>(smem + region);
-
-  // (1) scores.
-  if constexpr (kTensorCores) {
-    MmaScores(static_cast<const uint16_t*>(q), w, keys, page_table, p_n, epp, t, visible, i_n, j_n, smem,
-              row_scores);
-  } else {
-    float* q_s = reinterpret_cast<float*>(smem);  // q in f32
-    for (int64_t e = threadIdx.x; e < i_n * j_n; e += kThreads) q_s[e] = LoadElem(q, q_type, t * i_n * j_n + e);
-    __syncthreads();
-    for (int64_t s = warp; s < visible; s += kWarps) {
-      const int64_t row = CandidateRow(page_table + t * p_n, epp, s, keys.rows);
-      float k_r[kMaxHeadDim / 32];
+  float* q_s = reinterpret_cast<float*>(smem);
+  for (int64_t e = threadIdx.x; e < i_n * j_n; e += kThreads) q_s[e] = LoadElem(q, q_type, t * i_n * j_n + e);
+  __syncthreads();
+  for (int64_t s = begin + warp; s < end; s += kWarps) {
+    const int64_t row = CandidateRow(page_table + t * p_n, epp, s, keys.rows);
+    float k_r[kMaxHeadDim / 32];
+#pragma unroll
+    for (int u = 0; u < kMaxHeadDim / 32; ++u) {
+      const int64_t j = lane + 32 * u;
+      k_r[u] = j < j_n ? DecodeEntry(keys, row, j) : 0.0f;
+    }
+    float total = 0.0f;
+    for (int64_t i = 0; i < i_n; ++i) {
+      float dot = 0.0f;
 #pragma unroll
       for (int u = 0; u < kMaxHeadDim / 32; ++u) {
         const int64_t j = lane + 32 * u;
-        k_r[u] = j < j_n ? DecodeEntry(keys, row, j) : 0.0f;
+        if (j < j_n) dot += q_s[i * j_n + j] * k_r[u];
       }
-      float total = 0.0f;
-      for (int64_t i = 0; i < i_n; ++i) {
-        float dot = 0.0f;
-#pragma unroll
-        for (int u = 0; u < kMaxHeadDim / 32; ++u) {
-          const int64_t j = lane + 32 * u;
-          if (j < j_n) dot += q_s[i * j_n + j] * k_r[u];
-        }
-        total += w[t * i_n + i] * fmaxf(WarpSum(dot), 0.0f);
-      }
-      if (lane == 0) row_scores[s] = total;
+      total += w[t * i_n + i] * fmaxf(WarpSum(dot), 0.0f);
     }
+    if (lane == 0) row_scores[s] = total;
   }
+}
+
+template <bool kTensorCores>
+__device__ void Scores(const void* q, Elem q_type, const float* w, const TableView& keys, const int32_t* page_table,
+                       int64_t p_n, int64_t epp, int64_t t, int64_t begin, int64_t end, int64_t i_n, int64_t j_n,
+                       unsigned char* smem, float* row_scores) {
+  if constexpr (kTensorCores) {
+    MmaScores(static_cast<const uint16_t*>(q), w, keys, page_table, p_n, epp, t, begin, end, i_n, j_n, smem,
+              row_scores);
+  } else {
+    ScalarScores(q, q_type, w, keys, page_table, p_n, epp, t, begin, end, i_n, j_n, smem, row_scores);
+  }
+}
+
+// The scored mode's first kernel: block (t, y) scores candidates [y, y + 1) x per_block of
+// query t into its row of the [T, S] scratch.
+template <bool kTensorCores>
+__global__ void IndexerScoreKernel(const void* q, Elem q_type, const float* w, TableView keys,
+                                   const int32_t* page_table, int64_t p_n, int64_t epp, const int32_t* limit,
+                                   float* scores, int64_t i_n, int64_t j_n, int64_t per_block) {
+  extern __shared__ unsigned char smem[];
+  const int64_t t = blockIdx.x, s_n = p_n * epp, begin = blockIdx.y * per_block;
+  const int64_t end = min(VisibleCandidates(keys, limit, t, s_n), begin + per_block);
+  if (begin >= end) return;
+  Scores<kTensorCores>(q, q_type, w, keys, page_table, p_n, epp, t, begin, end, i_n, j_n, smem, scores + t * s_n);
+}
+
+// Counts per radix bin -> the bin of the remaining-th largest key: thread b holds bin 255 - b,
+// an inclusive block scan gives the keys in bins at or above it, and the one thread whose
+// bin holds the remaining-th updates the shared selection state.
+__device__ void FindBin(const uint32_t* hist, int shift, uint32_t* warp_totals, uint32_t* prefix, uint32_t* want_mask,
+                        uint32_t* remaining) {
+  static_assert(kThreads == 256, "one radix bin per thread");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, bin = 255 - static_cast<int>(threadIdx.x);
+  const uint32_t count = hist[bin];
+  uint32_t at_or_above = count;
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t v = __shfl_up_sync(0xffffffffu, at_or_above, o);
+    if (lane >= o) at_or_above += v;
+  }
+  if (lane == 31) warp_totals[warp] = at_or_above;
+  __syncthreads();
+  for (int v = 0; v < warp; ++v) at_or_above += warp_totals[v];
+  const uint32_t want = *remaining, above = at_or_above - count;
+  __syncthreads();  // every thread has read `remaining`
+  if (above < want && at_or_above >= want) {
+    *prefix |= static_cast<uint32_t>(bin) << shift;
+    *want_mask |= 0xffu << shift;
+    *remaining = want - above;
+  }
+}
+
+template <bool kTensorCores>
+__global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, TableView keys, const int32_t* page_table,
+                                  int64_t p_n, int64_t epp, const int32_t* limit, const float* scores, int32_t* ids,
+                                  int64_t i_n, int64_t j_n, int64_t k_n) {
+  extern __shared__ unsigned char smem[];
+  __shared__ uint32_t hist[256];
+  __shared__ uint32_t prefix, want_mask, remaining, n_above, n_equal, n_equal_taken;
+  __shared__ uint32_t warp_counts[kWarps];
+  const int64_t t = blockIdx.x, s_n = p_n * epp;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t visible = VisibleCandidates(keys, limit, t, s_n);
+  const int64_t kept = min(k_n, visible);
+  const size_t region = RegionBytes(i_n, j_n);
+
+  // (1) scores: already in the scratch (scored mode), or computed here into shared memory.
+  float* on_chip_row = reinterpret_cast<float*>(smem + region);
+  if (!scores) {
+    Scores<kTensorCores>(q, q_type, w, keys, page_table, p_n, epp, t, 0, visible, i_n, j_n, smem, on_chip_row);
+  }
+  const float* row_scores = scores ? scores + t * s_n : on_chip_row;
   __syncthreads();
 
   // (2) radix select: the key of the kept-th largest score.
@@ -210,34 +297,26 @@ __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, Ta
   }
   __syncthreads();
   for (int shift = 24; kept > 0 && shift >= 0; shift -= 8) {
-    for (int b = threadIdx.x; b < 256; b += kThreads) hist[b] = 0;
+    hist[threadIdx.x] = 0;
     __syncthreads();
     for (int64_t s = threadIdx.x; s < visible; s += kThreads) {
       const uint32_t key = OrderKey(row_scores[s]);
       if ((key & want_mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xffu], 1u);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      uint32_t above = 0;
-      for (int b = 255; b >= 0; --b) {
-        if (above + hist[b] >= remaining) {
-          prefix |= static_cast<uint32_t>(b) << shift;
-          want_mask |= 0xffu << shift;
-          remaining -= above;
-          break;
-        }
-        above += hist[b];
-      }
-    }
+    FindBin(hist, shift, warp_counts, &prefix, &want_mask, &remaining);
     __syncthreads();
   }
   const uint32_t threshold = prefix;  // the key of the kept-th largest; `remaining` of its equals are kept
 
-  // (3) collect into shared memory (the q region is free now).
+  // (3) collect into shared memory (the scoring region is free now): every key above the
+  // threshold; of those equal to it all when exactly `remaining` are (the usual case), else
+  // the lowest-numbered `remaining`, chunk by chunk in candidate order.
   float* sel_score = reinterpret_cast<float*>(smem);
   int32_t* sel_id = reinterpret_cast<int32_t*>(smem + kMaxTopk * sizeof(float));
   if (threadIdx.x == 0) {
     n_above = 0;
+    n_equal = 0;
     n_equal_taken = 0;
   }
   __syncthreads();
@@ -247,11 +326,20 @@ __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, Ta
       const uint32_t at = atomicAdd(&n_above, 1u);
       sel_score[at] = row_scores[s];
       sel_id[at] = static_cast<int32_t>(s);
+    } else if (key == threshold) {
+      atomicAdd(&n_equal, 1u);
     }
   }
   __syncthreads();
-  // Equal to the threshold: the lowest-numbered `remaining`, chunk by chunk in candidate order.
-  for (int64_t base = 0; kept > 0 && base < visible; base += kThreads) {
+  const bool all_equals = n_equal == remaining;
+  for (int64_t s = threadIdx.x; kept > 0 && all_equals && s < visible; s += kThreads) {
+    if (OrderKey(row_scores[s]) == threshold) {
+      const uint32_t at = n_above + atomicAdd(&n_equal_taken, 1u);
+      sel_score[at] = row_scores[s];
+      sel_id[at] = static_cast<int32_t>(s);
+    }
+  }
+  for (int64_t base = 0; kept > 0 && !all_equals && base < visible; base += kThreads) {
     const int64_t s = base + threadIdx.x;
     const bool eq = s < visible && OrderKey(row_scores[s]) == threshold;
     const uint32_t ballot = __ballot_sync(0xffffffffu, eq);
@@ -271,6 +359,7 @@ __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, Ta
     }
     __syncthreads();
   }
+  __syncthreads();
 
   // (4) bitonic sort of the kept entries (padded to a power of two with entries that sort last).
   int n_sort = 1;
@@ -332,8 +421,24 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
     return Invalid("the score rows do not fit in shared memory: pass a scores scratch [T, S]");
   }
   if (a.t == 0 || a.k == 0) return ffi::Error::Success();
-  const size_t smem = RegionBytes(a.i, a.j) + (on_chip ? a.s * sizeof(float) : 0);
   const bool mma = TensorCoresServe(a);
+  const size_t region = RegionBytes(a.i, a.j);
+  if (a.scratch) {  // scored mode: the scores over many blocks, then the selection
+    const int64_t tiles = (a.s + kMmaRows - 1) / kMmaRows;
+    static const int64_t sms = std::max<int64_t>(Dsv4MultiprocessorCount(), 1);  // once per process
+    const int64_t per_block = kMmaRows * std::max<int64_t>(1, (a.t * tiles + 4 * sms - 1) / (4 * sms));
+    const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.s + per_block - 1) / per_block));
+    auto* score = mma ? IndexerScoreKernel<true> : IndexerScoreKernel<false>;
+    score<<<grid, kThreads, region, stream>>>(q.untyped_data(), a.q_type, w.typed_data(), a.keys,
+                                              page_table.typed_data(), a.p, a.epp, limit.typed_data(),
+                                              scores->typed_data(), a.i, a.j, per_block);
+    if (auto e = LastCudaError("IndexerScoreKernel"); e.failure()) return e;
+    auto* select = mma ? IndexerTopkKernel<true> : IndexerTopkKernel<false>;
+    select<<<static_cast<unsigned>(a.t), kThreads, region, stream>>>(
+        q.untyped_data(), a.q_type, w.typed_data(), a.keys, page_table.typed_data(), a.p, a.epp, limit.typed_data(),
+        scores->typed_data(), ids->typed_data(), a.i, a.j, a.k);
+    return LastCudaError("IndexerTopkKernel");
+  }
   auto* kernel = mma ? IndexerTopkKernel<true> : IndexerTopkKernel<false>;
   // Once per process and kernel: allow the device's whole opt-in shared memory (above 48 KB).
   static const cudaError_t attr[2] = {
@@ -344,9 +449,9 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
   if (attr[mma] != cudaSuccess) {
     return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr[mma]));
   }
-  kernel<<<static_cast<unsigned>(a.t), kThreads, smem, stream>>>(
+  kernel<<<static_cast<unsigned>(a.t), kThreads, region + a.s * sizeof(float), stream>>>(
       q.untyped_data(), a.q_type, w.typed_data(), a.keys, page_table.typed_data(), a.p, a.epp, limit.typed_data(),
-      on_chip ? nullptr : scores->typed_data(), ids->typed_data(), a.i, a.j, a.k);
+      nullptr, ids->typed_data(), a.i, a.j, a.k);
   return LastCudaError("IndexerTopkKernel");
 }
 
@@ -360,6 +465,16 @@ extern "C" int64_t Dsv4IndexerOnChipCandidates(int64_t i, int64_t j) {
   const int64_t region = static_cast<int64_t>(dsv4::RegionBytes(i, j));
   const int64_t free = dsv4::OptInSharedBytes() - dsv4::kStaticSharedBytes - region;
   return free > 0 ? free / static_cast<int64_t>(sizeof(float)) : 0;
+}
+
+// The columns of the scores scratch the caller passes for T queries of S candidates (i heads
+// of dim j): S (scored mode, the file comment) when the score row does not fit on chip, or
+// when fewer queries than multiprocessors would each be one block and the row spans more than
+// one tile; else 0 (fused). Called through ctypes by dsv4/ops/indexer_topk/ffi.py.
+extern "C" int64_t Dsv4IndexerScratchColumns(int64_t t, int64_t s, int64_t i, int64_t j) {
+  const bool beyond_chip = s > Dsv4IndexerOnChipCandidates(i, j);
+  const bool few_queries = t < Dsv4MultiprocessorCount() && s > dsv4::kMmaRows;
+  return beyond_chip || few_queries ? s : 0;
 }
 
 namespace ffi = xla::ffi;

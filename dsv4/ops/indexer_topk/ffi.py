@@ -17,12 +17,11 @@ def _call(q_TIJ, w_TI, keys, page_table_TP, entries_per_page: int, limit_T, topk
     if k == 0:
         return jnp.zeros((t, 0), jnp.int32)
     check_platform()
-    # The second result is a score scratch [T, S], passed only when the kernel cannot keep the
-    # score rows on chip ([T, 0] otherwise: nothing allocated, no score written to HBM).
+    # The second result is a score scratch [T, S], passed only where the kernel asks for one
+    # ([T, 0] otherwise: nothing allocated, no score written to HBM).
     s = page_table_TP.shape[1] * entries_per_page
-    on_chip = ffi_kernels.indexer_on_chip_candidates(ffi_kernels.platform_of(jax.default_backend()),
-                                                     q_TIJ.shape[1], q_TIJ.shape[2])
-    scratch = 0 if on_chip is None or s <= on_chip else s
+    scratch = ffi_kernels.indexer_scratch_columns(ffi_kernels.platform_of(jax.default_backend()), t,
+                                                  s, q_TIJ.shape[1], q_TIJ.shape[2])
     out = (jax.ShapeDtypeStruct((t, k), jnp.int32), jax.ShapeDtypeStruct((t, scratch), jnp.float32))
     ids, _ = jax.ffi.ffi_call("dsv4_indexer_topk", out, vmap_method="sequential")(
         q_TIJ, w_TI.astype(jnp.float32), *keys, page_table_TP.astype(jnp.int32), limit_T.astype(jnp.int32),
