@@ -1,11 +1,13 @@
 // Tensor-core building blocks of the CUDA kernels: ldmatrix / mma.sync (bf16 in, f32 accumulate;
 // SM80+ instructions, so the same code serves SM90 and SM120) and the 8-entry loads that turn a
-// stored table row into bf16 tiles in shared memory.
+// stored table row into bf16 tiles in shared memory (the e4m3 conversion instruction needs
+// SM89+: the library builds for 90a and 120a).
 //
 // Fragment layout of mma m16n8k16 (PTX ISA): lane = 4 g + c holds rows g and g + 8 of the 16x8
 // accumulator, columns 2c and 2c + 1 (d[0], d[1] row g; d[2], d[3] row g + 8).
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -38,8 +40,20 @@ __device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Two floats -> two bf16 in one word (lo in the low half), rounded to nearest even: one
+// instruction, the same values as FloatToBf16 (a NaN becomes the canonical NaN).
 __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
-  return static_cast<uint32_t>(FloatToBf16(lo)) | (static_cast<uint32_t>(FloatToBf16(hi)) << 16);
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Two e4m3 (the low byte first) -> two floats, exactly (every e4m3 is an f16): the SM89+
+// conversion instruction, then a widening.
+__device__ __forceinline__ float2 E4m3x2ToFloat2(uint32_t two) {
+  uint32_t h2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h2) : "h"(static_cast<uint16_t>(two)));
+  return __half22float2(*reinterpret_cast<const __half2*>(&h2));
 }
 
 // Entries k0 .. k0+7 of a row (k0 a multiple of 8; the 8 lie in one part and one scale block),
@@ -73,13 +87,18 @@ __device__ __forceinline__ uint4 DecodeEight(const TableView& t, int64_t k0, con
   const Elem type = k0 < t.values_width ? t.values_type : Elem::kBf16;
   if (type == Elem::kBf16 && r.scale == 127) return r.bits;  // bf16 as stored
   const float scale = E8m0ToFloat(r.scale);
+  if (type == Elem::kE4m3) {
+    const float2 a = E4m3x2ToFloat2(r.bits.x), b = E4m3x2ToFloat2(r.bits.x >> 16);
+    const float2 c = E4m3x2ToFloat2(r.bits.y), d = E4m3x2ToFloat2(r.bits.y >> 16);
+    return make_uint4(PackBf16(a.x * scale, a.y * scale), PackBf16(b.x * scale, b.y * scale),
+                      PackBf16(c.x * scale, c.y * scale), PackBf16(d.x * scale, d.y * scale));
+  }
   const uint32_t words[4] = {r.bits.x, r.bits.y, r.bits.z, r.bits.w};
   float v[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
-    v[e] = type == Elem::kE4m3    ? E4m3ToFloat((words[e / 4] >> (8 * (e % 4))) & 0xffu)
-           : type == Elem::kE2m1x2 ? E2m1ToFloat((words[0] >> (4 * e)) & 0xfu)
-                                   : Bf16ToFloat(static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2))));
+    v[e] = type == Elem::kE2m1x2 ? E2m1ToFloat((words[0] >> (4 * e)) & 0xfu)
+                                 : Bf16ToFloat(static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2))));
   }
   return make_uint4(PackBf16(v[0] * scale, v[1] * scale), PackBf16(v[2] * scale, v[3] * scale),
                     PackBf16(v[4] * scale, v[5] * scale), PackBf16(v[6] * scale, v[7] * scale));

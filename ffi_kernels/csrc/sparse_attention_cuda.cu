@@ -1,14 +1,17 @@
 // sparse_attention on CUDA: the twin of dsv4/ops/sparse_attention/reference.py and of
 // sparse_attention_cpu.cc (same arguments, same semantics). Two kernels:
 //
-// TensorCoreAttentionKernel (bf16 q; tables of bf16 or e4m3 values with bf16 rope; head dim a
-// multiple of 32 up to 512): one block per (query, 64 heads), 8 warps. Each tile of kTile
-// selected rows is gathered and decoded once into shared memory as bf16 (e4m3 x E8M0 is exact
-// in bf16) and used by all 64 heads: S = Q K^T and O += P V run on mma.sync m16n8k16 (bf16 in,
-// f32 accumulate; SM80+ instructions, so the same code serves SM90 and SM120). Warp w owns
-// heads 16 (w % 4) .. +16 and output columns (w / 4) * H/2 .. +H/2; the two warps of a head
-// group both compute its S (the price of keeping a 16 x 256 f32 accumulator per warp in
-// registers). Softmax online with the sink as the starting max (m = sink, l = 1), in base 2.
+// TensorCoreAttentionKernel (bf16 q; tables of bf16 or e4m3 values with bf16 rope, at most 16
+// scale bytes a row; head dim a multiple of 32 up to 512): one block per (query, 64 heads), 8
+// warps. Each tile of kTile selected rows is decoded once into shared memory as bf16 (e4m3 x
+// E8M0 is exact in bf16) and used by all 64 heads: S = Q K^T and O += P V run on mma.sync
+// m16n8k16 (bf16 in, f32 accumulate; the same code serves SM90 and SM120). Warp w owns heads
+// 16 (w % 4) .. +16 and output columns (w / 4) * H/2 .. +H/2; the two warps of a head group
+// both compute its S (the price of keeping a 16 x 256 f32 accumulator per warp in registers).
+// Softmax online with the sink as the starting max (m = sink, l = 1), in base 2.
+// Pipelined: while tile n is computed, tile n + 1's stored bytes are on their way into a
+// staging buffer (cp.async, no registers held) and its scales into registers, and the slot
+// indices of tile n + 2 are loaded; the decode then runs from shared memory.
 // Few queries (decode) would leave most SMs idle, so the caller may split each query's slots
 // into S parts (grid z): each block then writes its unnormalised output, max and denominator
 // to the split scratch (only part 0 counts the sink) and CombineSplitsKernel merges them.
@@ -35,19 +38,32 @@ struct Slot {
   int64_t row;
 };
 
-__device__ Slot ResolveSlot(int64_t j, int64_t w_n, const int32_t* window_idx, const int32_t* comp_idx,
-                            int64_t ring_rows, int64_t fresh_rows, int64_t comp_rows) {
+// The stored index of selected slot j (< end) of a query: window slot j or compressed slot
+// j - w_n; -1 past the end. (A global load: the tensor-core kernel issues it a tile early.)
+__device__ __forceinline__ int32_t SlotIndex(int64_t j, int64_t end, int64_t w_n, const int32_t* window_idx,
+                                             const int32_t* comp_idx) {
+  if (j >= end) return -1;
+  return j < w_n ? window_idx[j] : comp_idx[j - w_n];
+}
+
+// Which table row slot j with stored index i reads: a window index below the ring's rows is a
+// ring row, above it a fresh row (clipped to the fresh rows); a compressed index a pool row.
+__device__ __forceinline__ Slot SlotOf(int64_t j, int32_t i, int64_t w_n, int64_t ring_rows, int64_t fresh_rows,
+                                       int64_t comp_rows) {
+  if (i < 0) return {-1, 0};
   if (j < w_n) {
-    const int64_t i = window_idx[j];
-    if (i < 0) return {-1, 0};
     if (i < ring_rows) return {0, i};
     if (fresh_rows == 0) return {-1, 0};
     const int64_t f = i - ring_rows;
     return {1, f < fresh_rows ? f : fresh_rows - 1};
   }
-  const int64_t c = comp_idx[j - w_n];
-  if (c < 0 || c >= comp_rows) return {-1, 0};
-  return {2, c};
+  if (i >= comp_rows) return {-1, 0};
+  return {2, i};
+}
+
+__device__ Slot ResolveSlot(int64_t j, int64_t w_n, const int32_t* window_idx, const int32_t* comp_idx,
+                            int64_t ring_rows, int64_t fresh_rows, int64_t comp_rows) {
+  return SlotOf(j, SlotIndex(j, INT64_MAX, w_n, window_idx, comp_idx), w_n, ring_rows, fresh_rows, comp_rows);
 }
 
 __global__ void ScalarAttentionKernel(const void* q, Elem q_type, TableView ring, TableView fresh, TableView comp,
@@ -128,9 +144,29 @@ constexpr int kPad = 8;
 constexpr int kMaxOutBlocks = kMaxHeadDim / 2 / 8;  // 8-column blocks of a warp's output half
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kEmptyMax = -1e30f;  // the running max of a split part with no rows yet (finite: no inf - inf)
-constexpr int kFill = kTile * (kMaxHeadDim / 8) / kTcThreads;  // 16-byte chunks per thread per tile
+constexpr int kMaxScales = 16;       // scale bytes per row the staging holds (TensorCoreServes)
+constexpr int kScaleLoads = kTile * kMaxScales / kTcThreads;  // a tile's scale bytes per thread
 
-int TensorCoreSharedBytes(int64_t h) { return static_cast<int>((kTcHeads + kTile) * (h + kPad) * 2); }
+// A staged row of table t: its stored value bytes, then its rope from the next 16-byte
+// boundary (16-byte reads); the staging stride of a tile row is the largest of the three
+// tables' staged rows, rounded up to 16 bytes.
+DSV4_HD int64_t ValueBytes(const TableView& t) { return t.values_width * (t.values_type == Elem::kE4m3 ? 1 : 2); }
+DSV4_HD int64_t RopeOffset(const TableView& t) { return (ValueBytes(t) + 15) / 16 * 16; }
+DSV4_HD int64_t RowBytes(const TableView& t) { return RopeOffset(t) + t.rope_width * 2; }
+
+int64_t StageStride(const TableView& ring, const TableView& fresh, const TableView& comp) {
+  int64_t most = 0;
+  for (const TableView* t : {&ring, &fresh, &comp}) {
+    if (t->rows > 0) most = std::max(most, RowBytes(*t));  // an empty table is never read
+  }
+  return (most + 15) / 16 * 16;
+}
+
+// Shared memory: q [64][h + pad] and one decoded tile [32][h + pad] in bf16, the staged raw
+// tile [32][stage] and its scale bytes [32][16].
+int64_t TensorCoreSharedBytes(int64_t h, int64_t stage) {
+  return (kTcHeads + kTile) * (h + kPad) * 2 + kTile * stage + kTile * kMaxScales;
+}
 
 struct TableViews {
   TableView t[3];  // ring, fresh, compressed
@@ -146,22 +182,81 @@ __device__ __forceinline__ float QuadSum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
+__device__ __forceinline__ void CopyAsync8(void* dst_shared, const void* src_global) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(SmemAddr(dst_shared)), "l"(src_global));
+}
+
+__device__ __forceinline__ void CopyAsyncCommitAndWaitAll() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
+// Starts copying the stored bytes of a tile's rows into the staging buffer (8-byte cp.async:
+// every row of values and rope is a multiple of 8 bytes) and loads this thread's share of
+// their scale bytes into `scales` (no cp.async of single bytes); a row is skipped when its
+// slot is empty.
+__device__ __forceinline__ void StageTile(const Slot* slots, const TableView* views, unsigned char* stage,
+                                          int stage_ld, uint8_t (&scales)[kScaleLoads]) {
+  const int units = stage_ld / 8;
+  for (int e = threadIdx.x; e < kTile * units; e += kTcThreads) {
+    const int r = e / units, u = e % units;
+    const Slot slot = slots[r];
+    if (slot.table < 0) continue;
+    const TableView& v = views[slot.table];
+    const int64_t value_bytes = ValueBytes(v), rope_at = RopeOffset(v), at = 8 * static_cast<int64_t>(u);
+    if (at < value_bytes) {
+      CopyAsync8(stage + r * stage_ld + at, static_cast<const unsigned char*>(v.values) + slot.row * value_bytes + at);
+    } else if (at >= rope_at && at < rope_at + 2 * v.rope_width) {
+      CopyAsync8(stage + r * stage_ld + at,
+                 static_cast<const unsigned char*>(v.rope) + slot.row * 2 * v.rope_width + (at - rope_at));
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kScaleLoads; ++i) {
+    const int e = threadIdx.x + i * kTcThreads, r = e / kMaxScales, c = e % kMaxScales;
+    const Slot slot = slots[r];
+    scales[i] = 127;
+    if (slot.table >= 0 && c < views[slot.table].scales_width) {
+      scales[i] = views[slot.table].scales[slot.row * views[slot.table].scales_width + c];
+    }
+  }
+}
+
+// Entries k0 .. k0 + 7 of a staged row of table v, raw, as LoadEight reads them from HBM.
+__device__ __forceinline__ RawEight StagedEight(const TableView& v, const unsigned char* row_bytes,
+                                                const uint8_t* row_scales, int64_t k0) {
+  if (k0 >= v.values_width) {
+    return {*reinterpret_cast<const uint4*>(row_bytes + RopeOffset(v) + 2 * (k0 - v.values_width)), 127};
+  }
+  const uint8_t scale = v.scales_width ? row_scales[k0 / v.block] : uint8_t{127};
+  if (v.values_type == Elem::kE4m3) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(row_bytes + k0);
+    return {make_uint4(raw.x, raw.y, 0, 0), scale};
+  }
+  return {*reinterpret_cast<const uint4*>(row_bytes + 2 * k0), scale};
+}
+
 __global__ void __launch_bounds__(kTcThreads)
     TensorCoreAttentionKernel(const uint16_t* q, TableViews tables, const int32_t* window_idx, int64_t w_n,
                               const int32_t* comp_idx, int64_t x_n, const float* sink, uint16_t* out, int64_t n_n,
-                              int64_t h_n, float scale_log2, int64_t tiles_per_split, float* split_o,
+                              int64_t h_n, float scale_log2, int64_t tiles_per_split, int stage_ld, float* split_o,
                               float* split_ml) {
   extern __shared__ __align__(16) uint16_t smem[];
-  __shared__ Slot slots[kTile];
+  __shared__ Slot slots[2][kTile];
   __shared__ TableView views[3];
   const int ld = static_cast<int>(h_n) + kPad;
-  uint16_t* q_s = smem;                // [kTcHeads][ld]
+  uint16_t* q_s = smem;                   // [kTcHeads][ld]
   uint16_t* kv_s = smem + kTcHeads * ld;  // [kTile][ld]
+  unsigned char* stage = reinterpret_cast<unsigned char*>(kv_s + kTile * ld);  // [kTile][stage_ld]
+  uint8_t* scales_s = stage + kTile * stage_ld;                                 // [kTile][kMaxScales]
   const int64_t t = blockIdx.x, head0 = static_cast<int64_t>(blockIdx.y) * kTcHeads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = warp % 4, half = warp / 4, g = lane / 4, c = lane % 4;
-  const int chunks = static_cast<int>(h_n / 8);  // 16-byte chunks per row
+  const int chunks = static_cast<int>(h_n / 8);  // 16-byte chunks per decoded row
+  const int32_t* w_idx = window_idx + t * w_n;
+  const int32_t* x_idx = comp_idx + t * x_n;
 
+  const int64_t total = w_n + x_n, first = blockIdx.z * tiles_per_split * kTile;
+  const int64_t end = min(total, first + tiles_per_split * kTile);
   if (threadIdx.x < 3) views[threadIdx.x] = tables.t[threadIdx.x];
   for (int e = threadIdx.x; e < kTcHeads * chunks; e += kTcThreads) {
     const int r = e / chunks, k = 8 * (e % chunks);
@@ -169,6 +264,19 @@ __global__ void __launch_bounds__(kTcThreads)
     *reinterpret_cast<uint4*>(q_s + r * ld + k) =
         head < n_n ? *reinterpret_cast<const uint4*>(q + (t * n_n + head) * h_n + k) : make_uint4(0, 0, 0, 0);
   }
+  // Pipeline: the slots of tile n + 1 are resolved from indices loaded during tile n - 1, and
+  // tile n + 1's bytes are copied (cp.async) and its scales loaded while tile n is computed.
+  int32_t next_index = -1;  // thread r < kTile: the stored index of row r of the next tile
+  __syncthreads();          // views staged
+  if (threadIdx.x < kTile) {
+    const int64_t j = first + threadIdx.x;
+    slots[0][threadIdx.x] = SlotOf(j, SlotIndex(j, end, w_n, w_idx, x_idx), w_n, views[0].rows, views[1].rows,
+                                   views[2].rows);
+    next_index = SlotIndex(j + kTile, end, w_n, w_idx, x_idx);
+  }
+  __syncthreads();
+  uint8_t scale_regs[kScaleLoads];
+  StageTile(slots[0], views, stage, stage_ld, scale_regs);
 
   const int64_t head_lo = head0 + group * 16 + g, head_hi = head_lo + 8;
   const bool with_sink = blockIdx.z == 0;  // split parts after the first start empty
@@ -180,34 +288,29 @@ __global__ void __launch_bounds__(kTcThreads)
 #pragma unroll
   for (int b = 0; b < kMaxOutBlocks; ++b) o[b][0] = o[b][1] = o[b][2] = o[b][3] = 0.0f;
 
-  const int64_t total = w_n + x_n, first = blockIdx.z * tiles_per_split * kTile;
-  const int64_t end = min(total, first + tiles_per_split * kTile);
-  for (int64_t base = first; base < end; base += kTile) {
-    __syncthreads();  // the previous tile is consumed
-    if (threadIdx.x < kTile) {
-      const int64_t j = base + threadIdx.x;
-      slots[threadIdx.x] = j < end ? ResolveSlot(j, w_n, window_idx + t * w_n, comp_idx + t * x_n,
-                                                 views[0].rows, views[1].rows, views[2].rows)
-                                   : Slot{-1, 0};
-    }
-    __syncthreads();
-    // All of this thread's loads first, then the decodes: kFill loads in flight, not one.
-    RawEight raw[kFill];
+  int buf = 0;
+  for (int64_t base = first; base < end; base += kTile, buf ^= 1) {
+    CopyAsyncCommitAndWaitAll();  // this thread's copies of the tile have landed
 #pragma unroll
-    for (int u = 0; u < kFill; ++u) {
-      const int e = threadIdx.x + u * kTcThreads, r = e / chunks, k = 8 * (e % chunks);
-      raw[u] = {make_uint4(0, 0, 0, 0), 127};
-      if (e < kTile * chunks && slots[r].table >= 0) raw[u] = LoadEight(views[slots[r].table], slots[r].row, k);
-    }
-#pragma unroll
-    for (int u = 0; u < kFill; ++u) {
-      const int e = threadIdx.x + u * kTcThreads, r = e / chunks, k = 8 * (e % chunks);
-      if (e < kTile * chunks) {
-        *reinterpret_cast<uint4*>(kv_s + r * ld + k) =
-            slots[r].table >= 0 ? DecodeEight(views[slots[r].table], k, raw[u]) : make_uint4(0, 0, 0, 0);
+    for (int i = 0; i < kScaleLoads; ++i) scales_s[threadIdx.x + i * kTcThreads] = scale_regs[i];
+    __syncthreads();  // the staged tile is visible; every warp is done with the previous tile
+    const Slot* tile = slots[buf];
+    for (int e = threadIdx.x; e < kTile * chunks; e += kTcThreads) {
+      const int r = e / chunks, k = 8 * (e % chunks);
+      uint4 decoded = make_uint4(0, 0, 0, 0);
+      if (tile[r].table >= 0) {
+        const TableView& v = views[tile[r].table];
+        decoded = DecodeEight(v, k, StagedEight(v, stage + r * stage_ld, scales_s + r * kMaxScales, k));
       }
+      *reinterpret_cast<uint4*>(kv_s + r * ld + k) = decoded;
     }
-    __syncthreads();
+    if (threadIdx.x < kTile) {
+      const int64_t j = base + kTile + threadIdx.x;
+      slots[buf ^ 1][threadIdx.x] = SlotOf(j, next_index, w_n, views[0].rows, views[1].rows, views[2].rows);
+      next_index = SlotIndex(j + kTile, end, w_n, w_idx, x_idx);
+    }
+    __syncthreads();  // the tile is decoded, the staging free, the next tile's slots resolved
+    if (base + kTile < end) StageTile(slots[buf ^ 1], views, stage, stage_ld, scale_regs);
 
     // S = Q K^T: this group's 16 heads x the tile's rows.
     float sc[kTile / 8][4];
@@ -232,7 +335,7 @@ __global__ void __launch_bounds__(kTcThreads)
     for (int b = 0; b < kTile / 8; ++b) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const bool valid = slots[b * 8 + 2 * c + i].table >= 0;
+        const bool valid = tile[b * 8 + 2 * c + i].table >= 0;
         sc[b][i] = valid ? sc[b][i] * scale_log2 : -INFINITY;
         sc[b][2 + i] = valid ? sc[b][2 + i] * scale_log2 : -INFINITY;
         max_lo = fmaxf(max_lo, sc[b][i]);
@@ -277,6 +380,7 @@ __global__ void __launch_bounds__(kTcThreads)
       }
     }
   }
+  CopyAsyncCommitAndWaitAll();  // nothing may be in flight at exit (an empty part staged nothing)
 
   l_lo = QuadSum(l_lo), l_hi = QuadSum(l_hi);
   if (gridDim.z > 1) {  // a split part: unnormalised output, max and denominator
@@ -334,6 +438,7 @@ bool TensorCoreServes(const AttentionArgs& a) {
     if (t->rows == 0) continue;  // never read
     if (t->values_type != Elem::kBf16 && t->values_type != Elem::kE4m3) return false;
     if (t->values_width % 8 != 0 || (t->scales_width != 0 && t->block % 8 != 0)) return false;
+    if (t->scales_width > kMaxScales) return false;
     if (t->rope_width != 0 && (t->rope_type != Elem::kBf16 || t->rope_width % 8 != 0)) return false;
   }
   return true;
@@ -342,9 +447,10 @@ bool TensorCoreServes(const AttentionArgs& a) {
 ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const void* q, const int32_t* window_idx,
                             const int32_t* comp_idx, const float* sink, void* out, float* split_o, float* split_ml,
                             float scale) {
-  // Once per process: allow the largest tile set (head dim 512) above the 48 KB default.
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      TensorCoreAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, TensorCoreSharedBytes(kMaxHeadDim));
+  // Once per process: allow the largest tile set (head dim 512, bf16 rows) above the 48 KB default.
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(TensorCoreAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           TensorCoreSharedBytes(kMaxHeadDim, 2 * kMaxHeadDim + 16));
   if (attr != cudaSuccess) {
     return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr));
   }
@@ -354,9 +460,11 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
   const int64_t used = splits > 1 ? (tiles + per_split - 1) / per_split : 1;  // no empty trailing parts
   const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.n + kTcHeads - 1) / kTcHeads),
                   static_cast<unsigned>(used));
-  TensorCoreAttentionKernel<<<grid, kTcThreads, TensorCoreSharedBytes(a.h), stream>>>(
+  const int64_t stage = StageStride(a.ring, a.fresh, a.comp);
+  TensorCoreAttentionKernel<<<grid, kTcThreads, TensorCoreSharedBytes(a.h, stage), stream>>>(
       static_cast<const uint16_t*>(q), TableViews{{a.ring, a.fresh, a.comp}}, window_idx, a.w, comp_idx, a.x, sink,
-      static_cast<uint16_t*>(out), a.n, a.h, scale * kLog2e, std::max<int64_t>(per_split, 1), split_o, split_ml);
+      static_cast<uint16_t*>(out), a.n, a.h, scale * kLog2e, std::max<int64_t>(per_split, 1),
+      static_cast<int>(stage), split_o, split_ml);
   if (auto e = LastCudaError("TensorCoreAttentionKernel"); e.failure() || used == 1) return e;
   CombineSplitsKernel<<<static_cast<unsigned>(a.t * a.n), 128, 0, stream>>>(split_o, split_ml,
                                                                           static_cast<uint16_t*>(out), used,
