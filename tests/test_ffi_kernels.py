@@ -179,8 +179,10 @@ def test_decode_splits_each_query_until_the_gpu_is_busy(monkeypatch):
     monkeypatch.setattr(ffi_kernels, "multiprocessors", lambda platform: 132)
     q = lambda t, n=64, h=512, dtype=jnp.bfloat16: jax.ShapeDtypeStruct((t, n, h), dtype)  # noqa: E731
     assert attn_ffi.split_parts(q(1), 640) == 20  # one 32-row tile per part
-    assert attn_ffi.split_parts(q(64), 640) == 3  # 64 blocks x 3 ~ one per multiprocessor
-    assert attn_ffi.split_parts(q(32, n=128), 640) == 3  # two head blocks per query
+    assert attn_ffi.split_parts(q(32), 640) == 4  # 128 blocks: one wave (5 parts would need two)
+    assert attn_ffi.split_parts(q(64), 640) == 2
+    assert attn_ffi.split_parts(q(32, n=128), 640) == 2  # two head blocks per query
+    assert attn_ffi.split_parts(q(100), 640) == 1  # 100 blocks already in one wave
     assert attn_ffi.split_parts(q(200), 640) == 1  # prefill fills the GPU unsplit
     assert attn_ffi.split_parts(q(1, dtype=jnp.float32), 640) == 1  # the scalar kernel does not split
     assert attn_ffi.split_parts(q(1, h=80), 640) == 1

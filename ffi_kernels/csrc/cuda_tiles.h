@@ -32,6 +32,20 @@ __device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* p)
                : "r"(SmemAddr(p)));
 }
 
+// Asynchronous 16-byte copy global -> shared (SM80+; completed by CopyAsyncCommitAndWaitAll).
+__device__ __forceinline__ void CopyAsync16(void* dst_shared, const void* src_global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(SmemAddr(dst_shared)), "l"(src_global));
+}
+
+__device__ __forceinline__ void CopyAsync8(void* dst_shared, const void* src_global) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(SmemAddr(dst_shared)), "l"(src_global));
+}
+
+// Waits for every asynchronous copy this thread has issued.
+__device__ __forceinline__ void CopyAsyncCommitAndWaitAll() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
 // d += a b with a 16x16 bf16 (row major), b 16x8 bf16 (column major), d 16x8 f32.
 __device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -71,7 +85,8 @@ __device__ __forceinline__ RawEight LoadEight(const TableView& t, int64_t row, i
             127};
   }
   const int64_t i = row * t.values_width + k0;
-  const uint8_t scale = t.scales_width ? t.scales[row * t.scales_width + k0 / t.block] : uint8_t{127};
+  const int block = static_cast<int>(k0) / static_cast<int>(t.block);  // 32-bit: a 64-bit division is a long routine
+  const uint8_t scale = t.scales_width ? t.scales[row * t.scales_width + block] : uint8_t{127};
   if (t.values_type == Elem::kE4m3) {
     const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(t.values) + i);
     return {make_uint4(raw.x, raw.y, 0, 0), scale};

@@ -115,16 +115,20 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = warp % kMmaGroups, half = warp / kMmaGroups;
   const int g = lane / 4, c = lane % 4, chunks = static_cast<int>(j_n / 8);
   const int32_t* pages = page_table + t * p_n;
-  for (int e = threadIdx.x; e < kMmaRows * chunks; e += kThreads) {
+  for (int e = threadIdx.x; e < kMmaRows * chunks; e += kThreads) {  // all copies in flight at once
     const int r = e / chunks, k = 8 * (e % chunks);
-    *reinterpret_cast<uint4*>(q_s + r * ld + k) =
-        r < i_n ? *reinterpret_cast<const uint4*>(q + (t * i_n + r) * j_n + k) : make_uint4(0, 0, 0, 0);
+    if (r < i_n) {
+      CopyAsync16(q_s + r * ld + k, q + (t * i_n + r) * j_n + k);
+    } else {
+      *reinterpret_cast<uint4*>(q_s + r * ld + k) = make_uint4(0, 0, 0, 0);
+    }
   }
   if (threadIdx.x < kMmaRows) {
     const int64_t s = begin + threadIdx.x;
     w_s[threadIdx.x] = threadIdx.x < i_n ? w[t * i_n + threadIdx.x] : 0.0f;
     rows_s[0][threadIdx.x] = s < end ? CandidateRow(pages, epp, s, keys.rows) : -1;
   }
+  CopyAsyncCommitAndWaitAll();
   __syncthreads();
   constexpr int kFill = kMmaRows * (kMmaMaxDim / 8) / kThreads;  // 16-byte chunks per thread per tile
   RawEight raw[kFill];

@@ -182,14 +182,6 @@ __device__ __forceinline__ float QuadSum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-__device__ __forceinline__ void CopyAsync8(void* dst_shared, const void* src_global) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(SmemAddr(dst_shared)), "l"(src_global));
-}
-
-__device__ __forceinline__ void CopyAsyncCommitAndWaitAll() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
-}
-
 // Starts copying the stored bytes of a tile's rows into the staging buffer (8-byte cp.async:
 // every row of values and rope is a multiple of 8 bytes) and loads this thread's share of
 // their scale bytes into `scales` (no cp.async of single bytes); a row is skipped when its
@@ -227,7 +219,7 @@ __device__ __forceinline__ RawEight StagedEight(const TableView& v, const unsign
   if (k0 >= v.values_width) {
     return {*reinterpret_cast<const uint4*>(row_bytes + RopeOffset(v) + 2 * (k0 - v.values_width)), 127};
   }
-  const uint8_t scale = v.scales_width ? row_scales[k0 / v.block] : uint8_t{127};
+  const uint8_t scale = v.scales_width ? row_scales[static_cast<int>(k0) / static_cast<int>(v.block)] : uint8_t{127};
   if (v.values_type == Elem::kE4m3) {
     const uint2 raw = *reinterpret_cast<const uint2*>(row_bytes + k0);
     return {make_uint4(raw.x, raw.y, 0, 0), scale};
@@ -235,15 +227,19 @@ __device__ __forceinline__ RawEight StagedEight(const TableView& v, const unsign
   return {*reinterpret_cast<const uint4*>(row_bytes + 2 * k0), scale};
 }
 
+// kFixedH: the head dim as a compile-time constant (512, the model's), so that the loops over
+// it unroll and its divisions become shifts; 0 reads it from h_arg.
+template <int kFixedH>
 __global__ void __launch_bounds__(kTcThreads)
     TensorCoreAttentionKernel(const uint16_t* q, TableViews tables, const int32_t* window_idx, int64_t w_n,
                               const int32_t* comp_idx, int64_t x_n, const float* sink, uint16_t* out, int64_t n_n,
-                              int64_t h_n, float scale_log2, int64_t tiles_per_split, int stage_ld, float* split_o,
+                              int64_t h_arg, float scale_log2, int64_t tiles_per_split, int stage_ld, float* split_o,
                               float* split_ml) {
+  const int h_n = kFixedH ? kFixedH : static_cast<int>(h_arg);
   extern __shared__ __align__(16) uint16_t smem[];
   __shared__ Slot slots[2][kTile];
   __shared__ TableView views[3];
-  const int ld = static_cast<int>(h_n) + kPad;
+  const int ld = h_n + kPad;
   uint16_t* q_s = smem;                   // [kTcHeads][ld]
   uint16_t* kv_s = smem + kTcHeads * ld;  // [kTile][ld]
   unsigned char* stage = reinterpret_cast<unsigned char*>(kv_s + kTile * ld);  // [kTile][stage_ld]
@@ -251,18 +247,21 @@ __global__ void __launch_bounds__(kTcThreads)
   const int64_t t = blockIdx.x, head0 = static_cast<int64_t>(blockIdx.y) * kTcHeads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = warp % 4, half = warp / 4, g = lane / 4, c = lane % 4;
-  const int chunks = static_cast<int>(h_n / 8);  // 16-byte chunks per decoded row
+  const int chunks = h_n / 8;  // 16-byte chunks per decoded row
   const int32_t* w_idx = window_idx + t * w_n;
   const int32_t* x_idx = comp_idx + t * x_n;
 
   const int64_t total = w_n + x_n, first = blockIdx.z * tiles_per_split * kTile;
   const int64_t end = min(total, first + tiles_per_split * kTile);
   if (threadIdx.x < 3) views[threadIdx.x] = tables.t[threadIdx.x];
-  for (int e = threadIdx.x; e < kTcHeads * chunks; e += kTcThreads) {
+  for (int e = threadIdx.x; e < kTcHeads * chunks; e += kTcThreads) {  // lands with the first tile
     const int r = e / chunks, k = 8 * (e % chunks);
     const int64_t head = head0 + r;
-    *reinterpret_cast<uint4*>(q_s + r * ld + k) =
-        head < n_n ? *reinterpret_cast<const uint4*>(q + (t * n_n + head) * h_n + k) : make_uint4(0, 0, 0, 0);
+    if (head < n_n) {
+      CopyAsync16(q_s + r * ld + k, q + (t * n_n + head) * h_n + k);
+    } else {
+      *reinterpret_cast<uint4*>(q_s + r * ld + k) = make_uint4(0, 0, 0, 0);
+    }
   }
   // Pipeline: the slots of tile n + 1 are resolved from indices loaded during tile n - 1, and
   // tile n + 1's bytes are copied (cp.async) and its scales loaded while tile n is computed.
@@ -283,7 +282,7 @@ __global__ void __launch_bounds__(kTcThreads)
   float m_lo = !with_sink ? kEmptyMax : head_lo < n_n ? sink[head_lo] * kLog2e : 0.0f;
   float m_hi = !with_sink ? kEmptyMax : head_hi < n_n ? sink[head_hi] * kLog2e : 0.0f;
   float l_lo = with_sink && c == 0 ? 1.0f : 0.0f, l_hi = l_lo;  // the sink's exp(0), counted once per quad
-  const int out_blocks = static_cast<int>(h_n / 16), col0 = half * static_cast<int>(h_n / 2);
+  const int out_blocks = h_n / 16, col0 = half * (h_n / 2);
   float o[kMaxOutBlocks][4];
 #pragma unroll
   for (int b = 0; b < kMaxOutBlocks; ++b) o[b][0] = o[b][1] = o[b][2] = o[b][3] = 0.0f;
@@ -316,6 +315,7 @@ __global__ void __launch_bounds__(kTcThreads)
     float sc[kTile / 8][4];
 #pragma unroll
     for (int b = 0; b < kTile / 8; ++b) sc[b][0] = sc[b][1] = sc[b][2] = sc[b][3] = 0.0f;
+#pragma unroll 4
     for (int k0 = 0; k0 < h_n; k0 += 16) {
       uint32_t a[4];
       LdMatrixX4(a, q_s + (group * 16 + lane % 16) * ld + k0 + (lane / 16) * 8);
@@ -415,19 +415,36 @@ __global__ void __launch_bounds__(kTcThreads)
 }
 
 // Merges the S split parts of each (query, head): out = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s
-// with M = max_s m_s (part 0 carries the sink, so M is finite). One block per (query, head).
+// with M = max_s m_s (part 0 carries the sink, so M is finite). One block per (query, head);
+// the parts' weights 2^(m_s - M) are computed once into shared memory ([2][S] floats), so the
+// partial-output loads of a column are independent of each other.
 __global__ void CombineSplitsKernel(const float* split_o, const float* split_ml, uint16_t* out, int64_t splits,
                                     int64_t tn, int64_t h_n) {
+  extern __shared__ float combine_s[];  // [splits] weights, then [splits] denominators
+  __shared__ float big_s, denom_s;
   const int64_t row = blockIdx.x;  // t * N + head
   const float2* ml = reinterpret_cast<const float2*>(split_ml);  // part p of this row: ml[p * tn + row]
-  float big = kEmptyMax;
-  for (int64_t p = 0; p < splits; ++p) big = fmaxf(big, ml[p * tn + row].x);
-  float denom = 0.0f;
-  for (int64_t p = 0; p < splits; ++p) denom += exp2f(ml[p * tn + row].x - big) * ml[p * tn + row].y;
+  for (int64_t p = threadIdx.x; p < splits; p += blockDim.x) {
+    const float2 v = ml[p * tn + row];
+    combine_s[p] = v.x;
+    combine_s[splits + p] = v.y;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float big = kEmptyMax;
+    for (int64_t p = 0; p < splits; ++p) big = fmaxf(big, combine_s[p]);
+    float denom = 0.0f;
+    for (int64_t p = 0; p < splits; ++p) denom += exp2f(combine_s[p] - big) * combine_s[splits + p];
+    big_s = big, denom_s = denom;
+  }
+  __syncthreads();
+  for (int64_t p = threadIdx.x; p < splits; p += blockDim.x) combine_s[p] = exp2f(combine_s[p] - big_s);
+  __syncthreads();
   for (int64_t k = threadIdx.x; k < h_n; k += blockDim.x) {
     float acc = 0.0f;
-    for (int64_t p = 0; p < splits; ++p) acc += exp2f(ml[p * tn + row].x - big) * split_o[(p * tn + row) * h_n + k];
-    out[row * h_n + k] = FloatToBf16(acc / denom);
+#pragma unroll 4
+    for (int64_t p = 0; p < splits; ++p) acc += combine_s[p] * split_o[(p * tn + row) * h_n + k];
+    out[row * h_n + k] = FloatToBf16(acc / denom_s);
   }
 }
 
@@ -448,11 +465,14 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
                             const int32_t* comp_idx, const float* sink, void* out, float* split_o, float* split_ml,
                             float scale) {
   // Once per process: allow the largest tile set (head dim 512, bf16 rows) above the 48 KB default.
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(TensorCoreAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           TensorCoreSharedBytes(kMaxHeadDim, 2 * kMaxHeadDim + 16));
-  if (attr != cudaSuccess) {
-    return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr));
+  const int most = static_cast<int>(TensorCoreSharedBytes(kMaxHeadDim, 2 * kMaxHeadDim + 16));
+  static const cudaError_t attr[2] = {
+      cudaFuncSetAttribute(TensorCoreAttentionKernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, most),
+      cudaFuncSetAttribute(TensorCoreAttentionKernel<kMaxHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           most)};
+  const bool fixed = a.h == kMaxHeadDim;
+  if (attr[fixed] != cudaSuccess) {
+    return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr[fixed]));
   }
   const int64_t tiles = (a.w + a.x + kTile - 1) / kTile;
   const int64_t splits = std::max<int64_t>(1, std::min(a.splits, tiles));
@@ -461,14 +481,14 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
   const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.n + kTcHeads - 1) / kTcHeads),
                   static_cast<unsigned>(used));
   const int64_t stage = StageStride(a.ring, a.fresh, a.comp);
-  TensorCoreAttentionKernel<<<grid, kTcThreads, TensorCoreSharedBytes(a.h, stage), stream>>>(
+  auto* kernel = fixed ? TensorCoreAttentionKernel<kMaxHeadDim> : TensorCoreAttentionKernel<0>;
+  kernel<<<grid, kTcThreads, TensorCoreSharedBytes(a.h, stage), stream>>>(
       static_cast<const uint16_t*>(q), TableViews{{a.ring, a.fresh, a.comp}}, window_idx, a.w, comp_idx, a.x, sink,
       static_cast<uint16_t*>(out), a.n, a.h, scale * kLog2e, std::max<int64_t>(per_split, 1),
       static_cast<int>(stage), split_o, split_ml);
   if (auto e = LastCudaError("TensorCoreAttentionKernel"); e.failure() || used == 1) return e;
-  CombineSplitsKernel<<<static_cast<unsigned>(a.t * a.n), 128, 0, stream>>>(split_o, split_ml,
-                                                                          static_cast<uint16_t*>(out), used,
-                                                                          a.t * a.n, a.h);
+  CombineSplitsKernel<<<static_cast<unsigned>(a.t * a.n), 128, 2 * used * sizeof(float), stream>>>(
+      split_o, split_ml, static_cast<uint16_t*>(out), used, a.t * a.n, a.h);
   return LastCudaError("CombineSplitsKernel");
 }
 

@@ -20,19 +20,18 @@ def split_parts(q_TNH: jax.Array, slots: int) -> int:
     """How many parts the CUDA kernel splits each query's `slots` selected rows into.
 
     Decode has few queries: T x ceil(N / 64) blocks would leave most of the GPU's
-    multiprocessors idle, so each query's rows are split until about one block per
-    multiprocessor runs (at most one 32-row tile per part). 1 (unsplit) when the blocks already
-    fill half the GPU, off CUDA, or where the tensor-core kernel does not serve (f32 q, head
-    dims that are not a multiple of 32).
+    multiprocessors idle, so each query's rows are split into as many parts as keep every block
+    in one wave (blocks x parts <= multiprocessors: the kernel runs one block per
+    multiprocessor, and a second, mostly empty wave would cost as much as the first), at most
+    one 32-row tile per part. 1 (unsplit) when the blocks already fill half the GPU, off CUDA,
+    or where the tensor-core kernel does not serve (f32 q, head dims not a multiple of 32).
     """
     t, n, h = q_TNH.shape
     sms = ffi_kernels.multiprocessors(ffi_kernels.platform_of(jax.default_backend()))
     if sms is None or q_TNH.dtype != jnp.bfloat16 or h % 32 or t == 0:
         return 1
     blocks = t * -(-n // _BLOCK_HEADS)
-    if 2 * blocks > sms:
-        return 1
-    return max(1, min(-(-slots // _TILE_ROWS), -(-sms // blocks)))
+    return max(1, min(-(-slots // _TILE_ROWS), sms // blocks))
 
 
 def _call(q_TNH, ring, fresh, window_idx_TW, comp, comp_idx_TX, sink_N, scale: float, block: int) -> jax.Array:
