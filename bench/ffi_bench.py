@@ -290,7 +290,7 @@ def command(s: Settings) -> str:
     return (f"python -m bench.ffi_bench --config {s.config_name} --decode {','.join(map(str, s.decode)) or repr('')} "
             f"--prefill {s.prefill} --context {s.context} --kv-format {s.kv_format} --index-format {s.index_format} "
             f"--backends {','.join(s.backends)} --ops {','.join(s.ops)} "
-            f"--steps {s.steps} --inner {s.inner} --timing {s.timing}")
+            f"--steps {s.steps}" + (f" --inner {s.inner}" if s.timing == "loop" else "") + f" --timing {s.timing}")
 
 
 def markdown_row(r: dict, meta: dict, s: Settings) -> str:
