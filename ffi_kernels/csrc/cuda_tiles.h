@@ -1,7 +1,7 @@
-// Tensor-core building blocks of the CUDA kernels: ldmatrix / mma.sync (bf16 in, f32 accumulate;
-// SM80+ instructions, so the same code serves SM90 and SM120) and the 8-entry loads that turn a
-// stored table row into bf16 tiles in shared memory (the e4m3 conversion instruction needs
-// SM89+: the library builds for 90a and 120a).
+// Tensor-core building blocks of the CUDA kernels: CuTe's SM75/SM80 atoms for ldmatrix, mma.sync
+// (bf16 in, f32 accumulate) and cp.async (so the same code serves SM90 and SM120), and the
+// 8-entry loads that turn a stored table row into bf16 tiles in shared memory (the e4m3
+// conversion instruction needs SM89+: the library builds for 90a and 120a).
 //
 // Fragment layout of mma m16n8k16 (PTX ISA): lane = 4 g + c holds rows g and g + 8 of the 16x8
 // accumulator, columns 2c and 2c + 1 (d[0], d[1] row g; d[2], d[3] row g + 8).
@@ -11,51 +11,47 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm80.hpp>
 
 #include "tables.h"
 
 namespace dsv4 {
 
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
+// Four 8x8 b16 matrices from shared memory (lane l gives the address of row l % 8 of matrix l / 8).
 __device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemAddr(p)));
+  cute::SM75_U32x4_LDSM_N::copy(*static_cast<const cute::uint128_t*>(p), r[0], r[1], r[2], r[3]);
 }
 
+// As LdMatrixX4, each matrix transposed.
 __device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemAddr(p)));
+  cute::SM75_U16x8_LDSM_T::copy(*static_cast<const cute::uint128_t*>(p), r[0], r[1], r[2], r[3]);
 }
 
-// Asynchronous 16-byte copy global -> shared (SM80+; completed by CopyAsyncCommitAndWaitAll).
+// Asynchronous 16- and 8-byte copies global -> shared (completed by CopyAsyncCommitAndWaitAll).
 __device__ __forceinline__ void CopyAsync16(void* dst_shared, const void* src_global) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(SmemAddr(dst_shared)), "l"(src_global));
+  cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>::copy(*static_cast<const cute::uint128_t*>(src_global),
+                                                         *static_cast<cute::uint128_t*>(dst_shared));
 }
 
 __device__ __forceinline__ void CopyAsync8(void* dst_shared, const void* src_global) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(SmemAddr(dst_shared)), "l"(src_global));
+  cute::SM80_CP_ASYNC_CACHEALWAYS<uint64_t>::copy(*static_cast<const uint64_t*>(src_global),
+                                                  *static_cast<uint64_t*>(dst_shared));
 }
 
 // Waits for every asynchronous copy this thread has issued.
 __device__ __forceinline__ void CopyAsyncCommitAndWaitAll() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+  cute::cp_async_fence();
+  cute::cp_async_wait<0>();
 }
 
 // d += a b with a 16x16 bf16 (row major), b 16x8 bf16 (column major), d 16x8 f32.
 __device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1], d[2],
+                                           d[3]);
 }
 
-// Two floats -> two bf16 in one word (lo in the low half), rounded to nearest even: one
-// instruction, the same values as FloatToBf16 (a NaN becomes the canonical NaN).
 __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   uint32_t r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
