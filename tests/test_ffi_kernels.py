@@ -175,6 +175,30 @@ def test_bf16_attention_on_the_tensor_core_path_matches_the_reference(fmt, n, h,
            attn_ref.sparse_attention_paged(*args), dtype)
 
 
+@pytest.mark.parametrize("ring_fmt, fresh_fmt, pool_fmt", [
+    (EntryFormat.KV_FP8, EntryFormat.DENSE, EntryFormat.KV_FP8),  # FP8 ring and pool, bf16 fresh rows
+    (EntryFormat.DENSE, EntryFormat.DENSE, EntryFormat.KV_FP8),   # bf16 window, FP8 pool
+    (EntryFormat.KV_FP8, EntryFormat.KV_FP8, EntryFormat.DENSE),  # FP8 window, bf16 pool
+])
+@pytest.mark.parametrize("t", [2, 40])
+def test_attention_over_mixed_fp8_and_bf16_tables_matches_the_reference(ring_fmt, fresh_fmt, pool_fmt, t):
+    # Each selected row is decoded in its own table's format; on CUDA the tensor-core kernel
+    # stages rows of different stored widths (576 vs 1024 bytes here) in one tile.
+    rng = np.random.default_rng(t)
+    n, h, rope = 64, 512, 64
+    ring = _table(rng, ring_fmt, 50, h, rope, jnp.bfloat16)
+    fresh_like = _table(rng, fresh_fmt, 1, h, rope, jnp.bfloat16)
+    fresh = EntryTable.from_values(jnp.asarray(rng.normal(size=(t, h)), jnp.bfloat16), like=fresh_like)
+    pool = _table(rng, pool_fmt, 70, h, rope, jnp.bfloat16, scale=2.0)
+    window_idx = jnp.asarray(_window_idx(rng, t, 40, ring.rows, t))
+    comp_idx = jnp.asarray(_comp_idx(rng, t, 30, pool.rows))
+    q = jnp.asarray(rng.normal(size=(t, n, h)), jnp.bfloat16)
+    sink = jnp.asarray(rng.normal(size=(n,)), jnp.float32)
+    args = (q, (ring, fresh), window_idx, pool, comp_idx, sink, h ** -0.5)
+    _close(jax.jit(attn_ffi.sparse_attention_paged, static_argnums=6)(*args),
+           attn_ref.sparse_attention_paged(*args), jnp.bfloat16)
+
+
 def test_decode_splits_each_query_until_the_gpu_is_busy(monkeypatch):
     monkeypatch.setattr(ffi_kernels, "multiprocessors", lambda platform: 132)
     q = lambda t, n=64, h=512, dtype=jnp.bfloat16: jax.ShapeDtypeStruct((t, n, h), dtype)  # noqa: E731
