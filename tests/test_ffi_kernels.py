@@ -287,7 +287,8 @@ def test_indexer_topk_paged_matches_the_reference(fmt, dtype, topk):
 @pytest.mark.parametrize("mode", ["fused", "scored"])
 @pytest.mark.parametrize("fmt", [EntryFormat.INDEX_FP8, EntryFormat.INDEX_FP4])
 @pytest.mark.parametrize("topk", [16, 100])
-def test_indexer_topk_fused_and_scored_modes_match_the_reference(monkeypatch, mode, fmt, topk):
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])  # CUDA: tensor-core / scalar scorer
+def test_indexer_topk_fused_and_scored_modes_match_the_reference(monkeypatch, mode, fmt, topk, dtype):
     # Fused: each query's score row stays on chip. Scored: the scores go through a [T, S]
     # scratch (on CUDA a separate pass over many blocks, as for decode or beyond the on-chip
     # limit). 160 candidates are three 64-candidate tiles, the last one partial; repeated pages
@@ -296,8 +297,8 @@ def test_indexer_topk_fused_and_scored_modes_match_the_reference(monkeypatch, mo
                         lambda platform, t, s, i, j: s if mode == "scored" else 0)
     rng = np.random.default_rng(topk)
     t, pages, epp = 5, 10, 16
-    keys = _table(rng, fmt, 8 * epp, 64, 0, jnp.bfloat16)
-    q = jnp.asarray(rng.normal(size=(t, 4, 64)), jnp.bfloat16)
+    keys = _table(rng, fmt, 8 * epp, 64, 0, dtype)
+    q = jnp.asarray(rng.normal(size=(t, 4, 64)), dtype)
     w = jnp.asarray(rng.normal(size=(t, 4)), jnp.float32)
     page_table = rng.integers(0, 9, size=(t, pages)).astype(np.int32)  # page 8 is past the table: clipped
     page_table[2, 3] = -1
