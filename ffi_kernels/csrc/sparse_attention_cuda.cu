@@ -213,6 +213,71 @@ __device__ __forceinline__ void StageTile(const Slot* slots, const TableView* vi
   }
 }
 
+// The model's stored K=V row (KV_FP8 at FLASH dims): 448 e4m3 values with one E8M0 scale per
+// 64, then 64 bf16 rope values; 576 bytes besides the scales, decoded to 512 bf16. When every
+// table is in this layout the kernel stages and decodes with these constants (no per-chunk
+// table lookups, divisions or format branches: those were most of a tile's instructions).
+namespace flash_fp8 {
+constexpr int kValues = 448, kBlock = 64, kScales = 7, kRope = 64, kHead = 512;
+constexpr int kBytes = kValues + 2 * kRope;  // a staged row
+constexpr int kUnits = kBytes / 16;          // its 16-byte copies
+constexpr int kChunks = kHead / 8;           // its decoded 16-byte chunks
+constexpr int kScaleStride = 8;              // staged scale bytes per row
+}  // namespace flash_fp8
+
+bool IsFlashFp8(const TableView& t) {
+  using namespace flash_fp8;
+  return t.rows == 0 || (t.values_type == Elem::kE4m3 && t.values_width == kValues && t.scales_width == kScales &&
+                         t.block == kBlock && t.rope_type == Elem::kBf16 && t.rope_width == kRope);
+}
+
+// StageTile for the FLASH FP8 layout: 16-byte copies of the stored rows, and thread r * 7 + c
+// (< 224) loads scale byte c of row r into `scale`.
+__device__ __forceinline__ void StageFlashFp8Tile(const Slot* slots, const TableView* views, unsigned char* stage,
+                                                  uint8_t& scale) {
+  using namespace flash_fp8;
+  for (int e = threadIdx.x; e < kTile * kUnits; e += kTcThreads) {
+    const int r = e / kUnits, u = e % kUnits;
+    const Slot slot = slots[r];
+    if (slot.table < 0) continue;
+    const TableView& v = views[slot.table];
+    const unsigned char* src =
+        u < kValues / 16 ? static_cast<const unsigned char*>(v.values) + slot.row * kValues + 16 * u
+                         : static_cast<const unsigned char*>(v.rope) + slot.row * (2 * kRope) + (16 * u - kValues);
+    CopyAsync16(stage + r * kBytes + 16 * u, src);
+  }
+  scale = 127;
+  if (threadIdx.x < kTile * kScales) {
+    const int r = threadIdx.x / kScales, c = threadIdx.x % kScales;
+    const Slot slot = slots[r];
+    if (slot.table >= 0) scale = views[slot.table].scales[slot.row * kScales + c];
+  }
+}
+
+// The decode of a staged FLASH FP8 tile into kv_s: thread t takes chunk t % 64 (a fixed column
+// range, so a fixed branch and scale column) of rows t / 64, + 4, ...
+__device__ __forceinline__ void DecodeFlashFp8Tile(const Slot* tile, const unsigned char* stage,
+                                                   const uint8_t* scales_s, uint16_t* kv_s, int ld) {
+  using namespace flash_fp8;
+  constexpr int kRowsPerPass = kTcThreads / kChunks;
+  const int c = threadIdx.x % kChunks, r0 = threadIdx.x / kChunks;
+#pragma unroll
+  for (int u = 0; u < kTile / kRowsPerPass; ++u) {
+    const int r = r0 + kRowsPerPass * u;
+    uint4 decoded = make_uint4(0, 0, 0, 0);
+    if (tile[r].table >= 0) {
+      const unsigned char* row = stage + r * kBytes;
+      if (c < kValues / 8) {
+        const float scale = E8m0ToFloat(scales_s[r * kScaleStride + c / (kBlock / 8)]);
+        decoded = E4m3EightToBf16(*reinterpret_cast<const uint2*>(row + 8 * c), scale);
+      } else {
+        decoded = *reinterpret_cast<const uint4*>(row + kValues + 16 * (c - kValues / 8));
+      }
+    }
+    *reinterpret_cast<uint4*>(kv_s + r * ld + 8 * c) = decoded;
+  }
+}
+
 // Entries k0 .. k0 + 7 of a staged row of table v, raw, as LoadEight reads them from HBM.
 __device__ __forceinline__ RawEight StagedEight(const TableView& v, const unsigned char* row_bytes,
                                                 const uint8_t* row_scales, int64_t k0) {
@@ -228,8 +293,9 @@ __device__ __forceinline__ RawEight StagedEight(const TableView& v, const unsign
 }
 
 // kFixedH: the head dim as a compile-time constant (512, the model's), so that the loops over
-// it unroll and its divisions become shifts; 0 reads it from h_arg.
-template <int kFixedH>
+// it unroll and its divisions become shifts; 0 reads it from h_arg. kFlashFp8: every table is
+// in the FLASH FP8 layout (IsFlashFp8; kFixedH is then 512).
+template <int kFixedH, bool kFlashFp8>
 __global__ void __launch_bounds__(kTcThreads)
     TensorCoreAttentionKernel(const uint16_t* q, TableViews tables, const int32_t* window_idx, int64_t w_n,
                               const int32_t* comp_idx, int64_t x_n, const float* sink, uint16_t* out, int64_t n_n,
@@ -274,8 +340,13 @@ __global__ void __launch_bounds__(kTcThreads)
     next_index = SlotIndex(j + kTile, end, w_n, w_idx, x_idx);
   }
   __syncthreads();
-  uint8_t scale_regs[kScaleLoads];
-  StageTile(slots[0], views, stage, stage_ld, scale_regs);
+  static_assert(!kFlashFp8 || kFixedH == flash_fp8::kHead, "the FLASH FP8 layout decodes to 512 values");
+  uint8_t scale_regs[kScaleLoads];  // this thread's scale bytes of the next tile
+  if constexpr (kFlashFp8) {
+    StageFlashFp8Tile(slots[0], views, stage, scale_regs[0]);
+  } else {
+    StageTile(slots[0], views, stage, stage_ld, scale_regs);
+  }
 
   const int64_t head_lo = head0 + group * 16 + g, head_hi = head_lo + 8;
   const bool with_sink = blockIdx.z == 0;  // split parts after the first start empty
@@ -290,18 +361,29 @@ __global__ void __launch_bounds__(kTcThreads)
   int buf = 0;
   for (int64_t base = first; base < end; base += kTile, buf ^= 1) {
     CopyAsyncCommitAndWaitAll();  // this thread's copies of the tile have landed
+    if constexpr (kFlashFp8) {
+      constexpr int kScales = flash_fp8::kScales;
+      if (threadIdx.x < kTile * kScales) {
+        scales_s[threadIdx.x / kScales * flash_fp8::kScaleStride + threadIdx.x % kScales] = scale_regs[0];
+      }
+    } else {
 #pragma unroll
-    for (int i = 0; i < kScaleLoads; ++i) scales_s[threadIdx.x + i * kTcThreads] = scale_regs[i];
+      for (int i = 0; i < kScaleLoads; ++i) scales_s[threadIdx.x + i * kTcThreads] = scale_regs[i];
+    }
     __syncthreads();  // the staged tile is visible; every warp is done with the previous tile
     const Slot* tile = slots[buf];
-    for (int e = threadIdx.x; e < kTile * chunks; e += kTcThreads) {
-      const int r = e / chunks, k = 8 * (e % chunks);
-      uint4 decoded = make_uint4(0, 0, 0, 0);
-      if (tile[r].table >= 0) {
-        const TableView& v = views[tile[r].table];
-        decoded = DecodeEight(v, k, StagedEight(v, stage + r * stage_ld, scales_s + r * kMaxScales, k));
+    if constexpr (kFlashFp8) {
+      DecodeFlashFp8Tile(tile, stage, scales_s, kv_s, ld);
+    } else {
+      for (int e = threadIdx.x; e < kTile * chunks; e += kTcThreads) {
+        const int r = e / chunks, k = 8 * (e % chunks);
+        uint4 decoded = make_uint4(0, 0, 0, 0);
+        if (tile[r].table >= 0) {
+          const TableView& v = views[tile[r].table];
+          decoded = DecodeEight(v, k, StagedEight(v, stage + r * stage_ld, scales_s + r * kMaxScales, k));
+        }
+        *reinterpret_cast<uint4*>(kv_s + r * ld + k) = decoded;
       }
-      *reinterpret_cast<uint4*>(kv_s + r * ld + k) = decoded;
     }
     if (threadIdx.x < kTile) {
       const int64_t j = base + kTile + threadIdx.x;
@@ -309,7 +391,13 @@ __global__ void __launch_bounds__(kTcThreads)
       next_index = SlotIndex(j + kTile, end, w_n, w_idx, x_idx);
     }
     __syncthreads();  // the tile is decoded, the staging free, the next tile's slots resolved
-    if (base + kTile < end) StageTile(slots[buf ^ 1], views, stage, stage_ld, scale_regs);
+    if (base + kTile < end) {
+      if constexpr (kFlashFp8) {
+        StageFlashFp8Tile(slots[buf ^ 1], views, stage, scale_regs[0]);
+      } else {
+        StageTile(slots[buf ^ 1], views, stage, stage_ld, scale_regs);
+      }
+    }
 
     // S = Q K^T: this group's 16 heads x the tile's rows.
     float sc[kTile / 8][4];
@@ -466,13 +554,17 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
                             float scale) {
   // Once per process: allow the largest tile set (head dim 512, bf16 rows) above the 48 KB default.
   const int most = static_cast<int>(TensorCoreSharedBytes(kMaxHeadDim, 2 * kMaxHeadDim + 16));
-  static const cudaError_t attr[2] = {
-      cudaFuncSetAttribute(TensorCoreAttentionKernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, most),
-      cudaFuncSetAttribute(TensorCoreAttentionKernel<kMaxHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  static const cudaError_t attr[3] = {
+      cudaFuncSetAttribute(TensorCoreAttentionKernel<0, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, most),
+      cudaFuncSetAttribute(TensorCoreAttentionKernel<kMaxHeadDim, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           most),
+      cudaFuncSetAttribute(TensorCoreAttentionKernel<kMaxHeadDim, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            most)};
   const bool fixed = a.h == kMaxHeadDim;
-  if (attr[fixed] != cudaSuccess) {
-    return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr[fixed]));
+  const bool flash_fp8 = fixed && IsFlashFp8(a.ring) && IsFlashFp8(a.fresh) && IsFlashFp8(a.comp);
+  const int variant = flash_fp8 ? 2 : fixed ? 1 : 0;
+  if (attr[variant] != cudaSuccess) {
+    return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr[variant]));
   }
   const int64_t tiles = (a.w + a.x + kTile - 1) / kTile;
   const int64_t splits = std::max<int64_t>(1, std::min(a.splits, tiles));
@@ -481,7 +573,9 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
   const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.n + kTcHeads - 1) / kTcHeads),
                   static_cast<unsigned>(used));
   const int64_t stage = StageStride(a.ring, a.fresh, a.comp);
-  auto* kernel = fixed ? TensorCoreAttentionKernel<kMaxHeadDim> : TensorCoreAttentionKernel<0>;
+  auto* kernel = flash_fp8 ? TensorCoreAttentionKernel<kMaxHeadDim, true>
+                 : fixed   ? TensorCoreAttentionKernel<kMaxHeadDim, false>
+                           : TensorCoreAttentionKernel<0, false>;
   kernel<<<grid, kTcThreads, TensorCoreSharedBytes(a.h, stage), stream>>>(
       static_cast<const uint16_t*>(q), TableViews{{a.ring, a.fresh, a.comp}}, window_idx, a.w, comp_idx, a.x, sink,
       static_cast<uint16_t*>(out), a.n, a.h, scale * kLog2e, std::max<int64_t>(per_split, 1),
