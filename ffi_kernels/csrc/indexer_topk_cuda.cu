@@ -271,6 +271,83 @@ __device__ void FindBin(const uint32_t* hist, int shift, uint32_t* warp_totals, 
   }
 }
 
+// The bitonic network's stages of stride <= 32 run in registers, a warp per 64-entry segment
+// (lane l holds entries l and l + 32 of it; partners of stride < 32 are exchanged by
+// shuffles), so only the stages of stride >= 64 need shared memory and a block barrier: for
+// 512 entries 6 barrier stages instead of 45.
+constexpr int kSegment = 64;
+
+// One compare-exchange stage of the network (block `size`, partner distance `stride` <= 32)
+// on a warp's segment in registers: entry i ends up holding the earlier (in output order) of
+// itself and entry i ^ stride when i is the lower of the two in an ascending block.
+__device__ __forceinline__ void RegisterStage(int base, int size, int stride, float (&score)[2], int32_t (&id)[2]) {
+  const int lane = threadIdx.x % 32;
+  if (stride == 32) {  // entries lane and lane + 32: both in this lane
+    const bool ascending = ((base + lane) & size) == 0;
+    if (ascending ? Before(score[1], id[1], score[0], id[0]) : Before(score[0], id[0], score[1], id[1])) {
+      const float ts = score[0];
+      const int32_t ti = id[0];
+      score[0] = score[1], id[0] = id[1];
+      score[1] = ts, id[1] = ti;
+    }
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const float other_score = __shfl_xor_sync(0xffffffffu, score[k], stride);
+    const int32_t other_id = __shfl_xor_sync(0xffffffffu, id[k], stride);
+    const bool lower = (lane & stride) == 0, ascending = ((base + lane + 32 * k) & size) == 0;
+    // As the shared-memory stage decides for the pair (lower entry e, upper entry p):
+    // swap when ascending ? Before(p, e) : Before(e, p); each lane takes the other's entry then.
+    const bool other_first = Before(other_score, other_id, score[k], id[k]);
+    const bool mine_first = Before(score[k], id[k], other_score, other_id);
+    const bool swap = lower == ascending ? other_first : mine_first;
+    if (swap) score[k] = other_score, id[k] = other_id;
+  }
+}
+
+// Every stage of block `size` with stride <= min(32, size / 2), on each warp's segments.
+__device__ void RegisterStages(float* sel_score, int32_t* sel_id, int n_sort, int first_size, int last_size) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int base = warp * kSegment; base < n_sort; base += kWarps * kSegment) {
+    float score[2] = {sel_score[base + lane], sel_score[base + lane + 32]};
+    int32_t id[2] = {sel_id[base + lane], sel_id[base + lane + 32]};
+    for (int size = first_size; size <= last_size; size <<= 1) {
+      for (int stride = min(32, size / 2); stride > 0; stride >>= 1) RegisterStage(base, size, stride, score, id);
+    }
+    sel_score[base + lane] = score[0], sel_id[base + lane] = id[0];
+    sel_score[base + lane + 32] = score[1], sel_id[base + lane + 32] = id[1];
+  }
+}
+
+// Sorts sel_score / sel_id [0, n_sort) (a power of two >= kSegment) by Before: blocks up to 64
+// entries wholly in registers, then for each larger block its strides >= 64 in shared memory
+// and the rest in registers.
+__device__ void SortKept(float* sel_score, int32_t* sel_id, int n_sort) {
+  RegisterStages(sel_score, sel_id, n_sort, 2, kSegment);
+  __syncthreads();
+  for (int size = 2 * kSegment; size <= n_sort; size <<= 1) {
+    for (int stride = size / 2; stride >= kSegment; stride >>= 1) {
+      for (int e = threadIdx.x; e < n_sort; e += kThreads) {
+        const int partner = e ^ stride;
+        if (partner > e) {
+          const bool ascending = (e & size) == 0;  // "ascending" = in the output order
+          if (ascending ? Before(sel_score[partner], sel_id[partner], sel_score[e], sel_id[e])
+                        : Before(sel_score[e], sel_id[e], sel_score[partner], sel_id[partner])) {
+            const float ts = sel_score[e];
+            const int32_t ti = sel_id[e];
+            sel_score[e] = sel_score[partner], sel_id[e] = sel_id[partner];
+            sel_score[partner] = ts, sel_id[partner] = ti;
+          }
+        }
+      }
+      __syncthreads();
+    }
+    RegisterStages(sel_score, sel_id, n_sort, size, size);
+    __syncthreads();
+  }
+}
+
 template <bool kTensorCores>
 __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, TableView keys, const int32_t* page_table,
                                   int64_t p_n, int64_t epp, const int32_t* limit, const float* scores, int32_t* ids,
@@ -365,35 +442,16 @@ __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, Ta
   }
   __syncthreads();
 
-  // (4) bitonic sort of the kept entries (padded to a power of two with entries that sort last).
-  int n_sort = 1;
+  // (4) bitonic sort of the kept entries (padded to a power of two, at least one warp segment,
+  // with entries that sort last).
+  int n_sort = kSegment;
   while (n_sort < kept) n_sort <<= 1;
   for (int e = static_cast<int>(kept) + threadIdx.x; e < n_sort; e += kThreads) {
     sel_score[e] = -INFINITY;
     sel_id[e] = INT_MAX;
   }
   __syncthreads();
-  for (int size = 2; size <= n_sort; size <<= 1) {
-    for (int stride = size / 2; stride > 0; stride >>= 1) {
-      for (int e = threadIdx.x; e < n_sort; e += kThreads) {
-        const int partner = e ^ stride;
-        if (partner > e) {
-          const bool ascending = (e & size) == 0;  // "ascending" = in the output order
-          const bool swap = ascending ? Before(sel_score[partner], sel_id[partner], sel_score[e], sel_id[e])
-                                      : Before(sel_score[e], sel_id[e], sel_score[partner], sel_id[partner]);
-          if (swap) {
-            const float ts = sel_score[e];
-            const int32_t ti = sel_id[e];
-            sel_score[e] = sel_score[partner];
-            sel_id[e] = sel_id[partner];
-            sel_score[partner] = ts;
-            sel_id[partner] = ti;
-          }
-        }
-      }
-      __syncthreads();
-    }
-  }
+  SortKept(sel_score, sel_id, n_sort);
   for (int64_t k = threadIdx.x; k < k_n; k += kThreads) ids[t * k_n + k] = k < kept ? sel_id[k] : -1;
 }
 
