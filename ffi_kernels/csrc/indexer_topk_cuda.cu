@@ -248,9 +248,10 @@ __global__ void IndexerScoreKernel(const void* q, Elem q_type, const float* w, T
 
 // Counts per radix bin -> the bin of the remaining-th largest key: thread b holds bin 255 - b,
 // an inclusive block scan gives the keys in bins at or above it, and the one thread whose
-// bin holds the remaining-th updates the shared selection state.
+// bin holds the remaining-th updates the shared selection state; `settled` when that bin
+// holds exactly the keys still wanted (all of them are kept: the lower bits need no pass).
 __device__ void FindBin(const uint32_t* hist, int shift, uint32_t* warp_totals, uint32_t* prefix, uint32_t* want_mask,
-                        uint32_t* remaining) {
+                        uint32_t* remaining, uint32_t* settled) {
   static_assert(kThreads == 256, "one radix bin per thread");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, bin = 255 - static_cast<int>(threadIdx.x);
   const uint32_t count = hist[bin];
@@ -268,6 +269,7 @@ __device__ void FindBin(const uint32_t* hist, int shift, uint32_t* warp_totals, 
     *prefix |= static_cast<uint32_t>(bin) << shift;
     *want_mask |= 0xffu << shift;
     *remaining = want - above;
+    *settled = count == want - above;
   }
 }
 
@@ -354,7 +356,7 @@ __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, Ta
                                   int64_t i_n, int64_t j_n, int64_t k_n) {
   extern __shared__ unsigned char smem[];
   __shared__ uint32_t hist[256];
-  __shared__ uint32_t prefix, want_mask, remaining, n_above, n_equal, n_equal_taken;
+  __shared__ uint32_t prefix, want_mask, remaining, settled, n_above, n_equal, n_equal_taken;
   __shared__ uint32_t warp_counts[kWarps];
   const int64_t t = blockIdx.x, s_n = p_n * epp;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -375,9 +377,10 @@ __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, Ta
     prefix = 0;
     want_mask = 0;
     remaining = static_cast<uint32_t>(kept);
+    settled = 0;
   }
   __syncthreads();
-  for (int shift = 24; kept > 0 && shift >= 0; shift -= 8) {
+  for (int shift = 24; kept > 0 && shift >= 0 && !settled; shift -= 8) {
     hist[threadIdx.x] = 0;
     __syncthreads();
     for (int64_t s = threadIdx.x; s < visible; s += kThreads) {
@@ -385,10 +388,12 @@ __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, Ta
       if ((key & want_mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xffu], 1u);
     }
     __syncthreads();
-    FindBin(hist, shift, warp_counts, &prefix, &want_mask, &remaining);
+    FindBin(hist, shift, warp_counts, &prefix, &want_mask, &remaining, &settled);
     __syncthreads();
   }
-  const uint32_t threshold = prefix;  // the key of the kept-th largest; `remaining` of its equals are kept
+  // Keys compare on the bits decided so far (all 32 unless a pass settled early): `threshold`
+  // is the (masked) key of the kept-th largest, and `remaining` of its equals are kept.
+  const uint32_t mask = want_mask, threshold = prefix;
 
   // (3) collect into shared memory (the scoring region is free now): every key above the
   // threshold; of those equal to it all when exactly `remaining` are (the usual case), else
@@ -402,7 +407,7 @@ __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, Ta
   }
   __syncthreads();
   for (int64_t s = threadIdx.x; kept > 0 && s < visible; s += kThreads) {
-    const uint32_t key = OrderKey(row_scores[s]);
+    const uint32_t key = OrderKey(row_scores[s]) & mask;
     if (key > threshold) {
       const uint32_t at = atomicAdd(&n_above, 1u);
       sel_score[at] = row_scores[s];
@@ -414,7 +419,7 @@ __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, Ta
   __syncthreads();
   const bool all_equals = n_equal == remaining;
   for (int64_t s = threadIdx.x; kept > 0 && all_equals && s < visible; s += kThreads) {
-    if (OrderKey(row_scores[s]) == threshold) {
+    if ((OrderKey(row_scores[s]) & mask) == threshold) {
       const uint32_t at = n_above + atomicAdd(&n_equal_taken, 1u);
       sel_score[at] = row_scores[s];
       sel_id[at] = static_cast<int32_t>(s);
@@ -422,7 +427,7 @@ __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, Ta
   }
   for (int64_t base = 0; kept > 0 && !all_equals && base < visible; base += kThreads) {
     const int64_t s = base + threadIdx.x;
-    const bool eq = s < visible && OrderKey(row_scores[s]) == threshold;
+    const bool eq = s < visible && (OrderKey(row_scores[s]) & mask) == threshold;
     const uint32_t ballot = __ballot_sync(0xffffffffu, eq);
     if (lane == 0) warp_counts[warp] = __popc(ballot);
     __syncthreads();
