@@ -122,11 +122,15 @@ def test_ffi_bench_times_each_op_on_both_backends_against_the_roofline(tmp_path)
     assert attn["flops"] == 4.0 * 2 * 6 * 40 * (16 + 4)
 
 
+# A trace's process metadata: pid 1 a GPU track, pid 2 the host.
+_TRACE_PROCESSES = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+                    {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+
+
 def test_ffi_bench_device_time_is_the_union_of_the_device_tracks_events():
     from bench.ffi_bench import device_busy_ms
 
-    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
-            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+    meta = _TRACE_PROCESSES
     events = meta + [
         {"ph": "X", "pid": 1, "ts": 0.0, "dur": 100.0},   # the program span
         {"ph": "X", "pid": 1, "ts": 10.0, "dur": 30.0},   # a kernel inside it
@@ -142,8 +146,7 @@ def test_ffi_bench_device_time_is_the_union_of_the_device_tracks_events():
 def test_ffi_bench_device_events_rank_names_by_time_per_call():
     from bench.ffi_bench import device_events_ms
 
-    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
-            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+    meta = _TRACE_PROCESSES
     events = meta + [
         {"ph": "X", "pid": 1, "name": "attention", "ts": 0.0, "dur": 300.0},
         {"ph": "X", "pid": 1, "name": "combine", "ts": 300.0, "dur": 20.0},

@@ -74,24 +74,27 @@ struct RawEight {
   uint8_t scale;  // E8M0 byte (127 = 1 when the part is unscaled)
 };
 
-__device__ __forceinline__ RawEight LoadEight(const TableView& t, int64_t row, int64_t k0) {
-  if (k0 >= t.values_width) {
-    return {*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(t.rope) + row * t.rope_width +
-                                            (k0 - t.values_width)),
-            127};
-  }
-  const int64_t i = row * t.values_width + k0;
-  const int block = static_cast<int>(k0) / static_cast<int>(t.block);  // 32-bit: a 64-bit division is a long routine
-  const uint8_t scale = t.scales_width ? t.scales[row * t.scales_width + block] : uint8_t{127};
+// Entries k0 .. k0+7, raw, of one row of t whose parts start at `values`, `rope` and `scales`:
+// the row in the table (LoadEight) or a staged copy of it in shared memory.
+__device__ __forceinline__ RawEight RawEightOfRow(const TableView& t, const unsigned char* values,
+                                                  const unsigned char* rope, const uint8_t* scales, int64_t k0) {
+  if (k0 >= t.values_width) return {*reinterpret_cast<const uint4*>(rope + 2 * (k0 - t.values_width)), 127};
+  // 32-bit division: a 64-bit one is a long routine on the GPU.
+  const uint8_t scale = t.scales_width ? scales[static_cast<int>(k0) / static_cast<int>(t.block)] : uint8_t{127};
   if (t.values_type == Elem::kE4m3) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(t.values) + i);
+    const uint2 raw = *reinterpret_cast<const uint2*>(values + k0);
     return {make_uint4(raw.x, raw.y, 0, 0), scale};
   }
   if (t.values_type == Elem::kE2m1x2) {  // two per byte, low nibble first
-    return {make_uint4(*reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(t.values) + i / 2), 0, 0, 0),
-            scale};
+    return {make_uint4(*reinterpret_cast<const uint32_t*>(values + k0 / 2), 0, 0, 0), scale};
   }
-  return {*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(t.values) + i), scale};
+  return {*reinterpret_cast<const uint4*>(values + 2 * k0), scale};
+}
+
+__device__ __forceinline__ RawEight LoadEight(const TableView& t, int64_t row, int64_t k0) {
+  return RawEightOfRow(t, static_cast<const unsigned char*>(t.values) + row * t.value_bytes(),
+                       static_cast<const unsigned char*>(t.rope) + row * 2 * t.rope_width,
+                       t.scales + row * t.scales_width, k0);
 }
 
 // Eight e4m3 (the low byte first) times a power-of-two scale -> eight bf16, exactly.

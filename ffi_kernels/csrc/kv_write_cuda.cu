@@ -75,10 +75,10 @@ ffi::Error KvWriteCuda(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuffe
                        int32_t quant_width, int32_t block) {
   KvWriteArgs a;
   if (auto e = ParseKvWrite({values, scales, rope}, rows, x, grid_attr, quant_width, block, &a); e.failure()) return e;
+  if (a.width > kMaxWidth) return Invalid("entries wider than 12288 are not supported by the CUDA kernel");
   if (auto e = CopyIfNotAliased(stream, values, values_out); e.failure()) return e;
   if (auto e = CopyIfNotAliased(stream, scales, scales_out); e.failure()) return e;
   if (auto e = CopyIfNotAliased(stream, rope, rope_out); e.failure()) return e;
-  if (a.width > kMaxWidth) return Invalid("entries wider than 12288 are not supported by the CUDA kernel");
   if (a.n == 0) return ffi::Error::Success();
   const WritableTable t =
       Writable(a.table, values_out->untyped_data(), scales_out->untyped_data(), rope_out->untyped_data());

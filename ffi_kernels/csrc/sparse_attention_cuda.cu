@@ -150,8 +150,7 @@ constexpr int kScaleLoads = kTile * kMaxScales / kTcThreads;  // a tile's scale 
 // A staged row of table t: its stored value bytes, then its rope from the next 16-byte
 // boundary (16-byte reads); the staging stride of a tile row is the largest of the three
 // tables' staged rows, rounded up to 16 bytes.
-DSV4_HD int64_t ValueBytes(const TableView& t) { return t.values_width * (t.values_type == Elem::kE4m3 ? 1 : 2); }
-DSV4_HD int64_t RopeOffset(const TableView& t) { return (ValueBytes(t) + 15) / 16 * 16; }
+DSV4_HD int64_t RopeOffset(const TableView& t) { return (t.value_bytes() + 15) / 16 * 16; }
 DSV4_HD int64_t RowBytes(const TableView& t) { return RopeOffset(t) + t.rope_width * 2; }
 
 int64_t StageStride(const TableView& ring, const TableView& fresh, const TableView& comp) {
@@ -194,7 +193,7 @@ __device__ __forceinline__ void StageTile(const Slot* slots, const TableView* vi
     const Slot slot = slots[r];
     if (slot.table < 0) continue;
     const TableView& v = views[slot.table];
-    const int64_t value_bytes = ValueBytes(v), rope_at = RopeOffset(v), at = 8 * static_cast<int64_t>(u);
+    const int64_t value_bytes = v.value_bytes(), rope_at = RopeOffset(v), at = 8 * static_cast<int64_t>(u);
     if (at < value_bytes) {
       CopyAsync8(stage + r * stage_ld + at, static_cast<const unsigned char*>(v.values) + slot.row * value_bytes + at);
     } else if (at >= rope_at && at < rope_at + 2 * v.rope_width) {
@@ -276,20 +275,6 @@ __device__ __forceinline__ void DecodeFlashFp8Tile(const Slot* tile, const unsig
     }
     *reinterpret_cast<uint4*>(kv_s + r * ld + 8 * c) = decoded;
   }
-}
-
-// Entries k0 .. k0 + 7 of a staged row of table v, raw, as LoadEight reads them from HBM.
-__device__ __forceinline__ RawEight StagedEight(const TableView& v, const unsigned char* row_bytes,
-                                                const uint8_t* row_scales, int64_t k0) {
-  if (k0 >= v.values_width) {
-    return {*reinterpret_cast<const uint4*>(row_bytes + RopeOffset(v) + 2 * (k0 - v.values_width)), 127};
-  }
-  const uint8_t scale = v.scales_width ? row_scales[static_cast<int>(k0) / static_cast<int>(v.block)] : uint8_t{127};
-  if (v.values_type == Elem::kE4m3) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(row_bytes + k0);
-    return {make_uint4(raw.x, raw.y, 0, 0), scale};
-  }
-  return {*reinterpret_cast<const uint4*>(row_bytes + 2 * k0), scale};
 }
 
 // kFixedH: the head dim as a compile-time constant (512, the model's), so that the loops over
@@ -380,7 +365,8 @@ __global__ void __launch_bounds__(kTcThreads)
         uint4 decoded = make_uint4(0, 0, 0, 0);
         if (tile[r].table >= 0) {
           const TableView& v = views[tile[r].table];
-          decoded = DecodeEight(v, k, StagedEight(v, stage + r * stage_ld, scales_s + r * kMaxScales, k));
+          const unsigned char* row = stage + r * stage_ld;
+          decoded = DecodeEight(v, k, RawEightOfRow(v, row, row + RopeOffset(v), scales_s + r * kMaxScales, k));
         }
         *reinterpret_cast<uint4*>(kv_s + r * ld + k) = decoded;
       }

@@ -13,7 +13,7 @@
 
 namespace dsv4 {
 
-enum class Elem : int32_t { kF32 = 0, kBf16 = 1, kE4m3 = 2, kE2m1x2 = 3 };
+enum class Elem : int32_t { kF32 = 0, kBf16 = 1, kE4m3 = 2, kE2m1x2 = 3 };  // order: TableView::value_bytes
 
 struct TableView {
   const void* values = nullptr;
@@ -28,6 +28,9 @@ struct TableView {
   int64_t rows = 0;
 
   DSV4_HD int64_t width() const { return values_width + rope_width; }
+  // Stored bytes of one row's values part: 32, 16, 8 or 4 bits a value, halving with each
+  // Elem after kF32 (no branch: the GPU kernels compute it per load).
+  DSV4_HD int64_t value_bytes() const { return values_width * (32 >> static_cast<int>(values_type)) / 8; }
 };
 
 DSV4_HD float LoadElem(const void* base, Elem type, int64_t i) {
