@@ -438,22 +438,29 @@ def test_backend_ffi_on_a_mesh_runs_shard_locally_and_generates_like_one_device(
 
 # ---------------------------------------------------------------- GPU: command buffers
 
-# Run in a fresh process: XLA_FLAGS is read once, when the GPU backend starts.
+# Run in a fresh process: XLA_FLAGS and the log settings are read once, when the GPU backend starts.
+# It prints the name of a dsv4 custom call and whether the compiled HLO already holds command
+# buffers (older XLA forms them on HLO); newer XLA forms them on the thunk sequence after the
+# HLO, which only its log shows ("Creating command buffer thunk ... with the following thunks").
 _COMMAND_BUFFER_CHECK = """
-import sys
+import re, sys
 import jax, jax.numpy as jnp, numpy as np
 import dsv4
 from checkpoints.testing import write_tiny_checkpoint
 from dsv4.config import TINY
-from dsv4.ops.sparse_attention import ffi as attn_ffi
+from dsv4.ops.sparse_attention import ffi as attn_ffi, reference as attn_ref
 
 jax.config.update("jax_default_matmul_precision", "highest")
 q = jnp.ones((1, 2, 4, 64), jnp.float32)
 kv = jnp.ones((1, 8, 64), jnp.float32)
 idx = jnp.zeros((1, 2, 3), jnp.int32)
-hlo = jax.jit(lambda q, kv: attn_ffi.sparse_attention(q * 2, kv, idx, jnp.zeros((4,)), 1.0) + 1).lower(q, kv)
-text = hlo.compile().as_text()
-assert "command_buffer" in text and "dsv4_sparse_attention" in text, text
+f, g = [jax.jit(lambda q, kv, m=m: m.sparse_attention(q * 2, kv, idx, jnp.zeros((4,)), 1.0) + 1)
+        for m in (attn_ffi, attn_ref)]
+text = f.lower(q, kv).compile().as_text()
+call = re.search(r'%([\\w.-]+) = [^\\n]*custom_call_target="dsv4_sparse_attention"', text)
+assert call, text
+print("ffi-call:", call.group(1), "hlo-command-buffer:", "command_buffer" in text, flush=True)
+np.testing.assert_allclose(np.asarray(f(q, kv)), np.asarray(g(q, kv)), rtol=1e-6)
 cfg = TINY.replace(fake_quant=True)
 write_tiny_checkpoint(cfg, sys.argv[1], seed=3, quantized=True, float_dtype="F32")
 got, want = [dsv4.load_pretrained(sys.argv[1], dtype="float32", quantized=True, fake_quant=True, backend=b)
@@ -464,6 +471,16 @@ print("ok")
 """
 
 
+def _captured_in_a_command_buffer(stdout: str, stderr: str) -> bool:
+    import re
+
+    found = re.search(r"ffi-call: (\S+) hlo-command-buffer: (True|False)", stdout)
+    assert found, stdout
+    name, on_hlo = found.groups()
+    thunk_lines = [line for line in stderr.splitlines() if "Creating command buffer thunk" in line]
+    return on_hlo == "True" or any(re.search(rf"\b{re.escape(name)}\b", line) for line in thunk_lines)
+
+
 @pytest.mark.gpu
 def test_the_step_runs_under_command_buffers_and_generates_like_the_reference(tmp_path):
     import os
@@ -471,9 +488,13 @@ def test_the_step_runs_under_command_buffers_and_generates_like_the_reference(tm
     import sys
 
     flags = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-    # No preallocation: this test's own process already holds most of the GPU's memory.
+    # No preallocation: this test's own process already holds most of the GPU's memory. The
+    # conversion pass's log names the thunks it puts in each command buffer.
     env = dict(os.environ, XLA_FLAGS=flags, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="command_buffer_conversion_pass=2",
                PYTHONPATH=os.pathsep.join(sys.path))
     done = subprocess.run([sys.executable, "-c", _COMMAND_BUFFER_CHECK, str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+    buffer_lines = "\n".join(line[:300] for line in done.stderr.splitlines() if "command buffer" in line.lower())
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr[-3000:]
+    assert _captured_in_a_command_buffer(done.stdout, done.stderr), done.stdout + buffer_lines[-3000:]
