@@ -234,11 +234,16 @@ __device__ void Scores(const void* q, Elem q_type, const float* w, const TableVi
 }
 
 // The scored mode's first kernel: block (t, y) scores candidates [y, y + 1) x per_block of
-// query t into its row of the [T, S] scratch.
+// query t into its row of the [T, S] scratch. Capped at 64 registers a thread so that
+// kScoreBlocksPerSm blocks share a multiprocessor, as the grid assumes (at 79 registers three
+// did, and decode's 512 one-tile blocks at C32 ran as 1.3 waves on an H200; the shared memory,
+// ~37 KB a block, allows six).
+constexpr int kScoreBlocksPerSm = 4;
 template <bool kTensorCores>
-__global__ void IndexerScoreKernel(const void* q, Elem q_type, const float* w, TableView keys,
-                                   const int32_t* page_table, int64_t p_n, int64_t epp, const int32_t* limit,
-                                   float* scores, int64_t i_n, int64_t j_n, int64_t per_block) {
+__global__ void __launch_bounds__(kThreads, kScoreBlocksPerSm)
+    IndexerScoreKernel(const void* q, Elem q_type, const float* w, TableView keys, const int32_t* page_table,
+                       int64_t p_n, int64_t epp, const int32_t* limit, float* scores, int64_t i_n, int64_t j_n,
+                       int64_t per_block) {
   extern __shared__ unsigned char smem[];
   const int64_t t = blockIdx.x, s_n = p_n * epp, begin = blockIdx.y * per_block;
   const int64_t end = min(VisibleCandidates(keys, limit, t, s_n), begin + per_block);
@@ -491,11 +496,12 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
   const bool mma = TensorCoresServe(a);
   const size_t region = RegionBytes(a.i, a.j);
   if (a.scratch) {  // scored mode: the scores over many blocks, then the selection
-    const int64_t tiles = (a.s + kMmaRows - 1) / kMmaRows;
-    static const int64_t sms = std::max<int64_t>(Dsv4MultiprocessorCount(), 1);  // once per process
-    const int64_t per_block = kMmaRows * std::max<int64_t>(1, (a.t * tiles + 4 * sms - 1) / (4 * sms));
-    const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.s + per_block - 1) / per_block));
+    // Tiles per block: as few as keep the grid in one wave of resident blocks.
     auto* score = mma ? IndexerScoreKernel<true> : IndexerScoreKernel<false>;
+    static const int64_t sms = std::max<int64_t>(Dsv4MultiprocessorCount(), 1);  // once per process
+    const int64_t slots = kScoreBlocksPerSm * sms, tiles = (a.s + kMmaRows - 1) / kMmaRows;
+    const int64_t per_block = kMmaRows * std::max<int64_t>(1, (a.t * tiles + slots - 1) / slots);
+    const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.s + per_block - 1) / per_block));
     score<<<grid, kThreads, region, stream>>>(q.untyped_data(), a.q_type, w.typed_data(), a.keys,
                                               page_table.typed_data(), a.p, a.epp, limit.typed_data(),
                                               scores->typed_data(), a.i, a.j, per_block);
