@@ -6,6 +6,7 @@ on the device machine, where the CUDA library serves the same targets.
 
 from __future__ import annotations
 
+import re
 
 import jax
 import jax.numpy as jnp
@@ -472,8 +473,6 @@ print("ok")
 
 
 def _captured_in_a_command_buffer(stdout: str, stderr: str) -> bool:
-    import re
-
     found = re.search(r"ffi-call: (\S+) hlo-command-buffer: (True|False)", stdout)
     assert found, stdout
     name, on_hlo = found.groups()
