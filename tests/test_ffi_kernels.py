@@ -293,19 +293,41 @@ def test_indexer_topk_fused_and_scored_modes_match_the_reference(monkeypatch, mo
     # Fused: each query's score row stays on chip. Scored: the scores go through a [T, S]
     # scratch (on CUDA a separate pass over many blocks, as for decode or beyond the on-chip
     # limit). 160 candidates are three 64-candidate tiles, the last one partial; repeated pages
-    # give equal scores, so the selection must break ties by candidate.
+    # give equal scores, so the selection must break ties by candidate. FP4 keys of dim 128
+    # are the model's layout, which the CUDA tensor-core scorer reads on a path of its own.
     monkeypatch.setattr(ffi_kernels, "indexer_scratch_columns",
                         lambda platform, t, s, i, j: s if mode == "scored" else 0)
     rng = np.random.default_rng(topk)
     t, pages, epp = 5, 10, 16
-    keys = _table(rng, fmt, 8 * epp, 64, 0, dtype)
-    q = jnp.asarray(rng.normal(size=(t, 4, 64)), dtype)
+    j = 128 if fmt is EntryFormat.INDEX_FP4 else 64
+    keys = _table(rng, fmt, 8 * epp, j, 0, dtype)
+    q = jnp.asarray(rng.normal(size=(t, 4, j)), dtype)
     w = jnp.asarray(rng.normal(size=(t, 4)), jnp.float32)
     page_table = rng.integers(0, 9, size=(t, pages)).astype(np.int32)  # page 8 is past the table: clipped
     page_table[2, 3] = -1
     limit = jnp.asarray([0, 70, 130, 160, 200], jnp.int32)
     want = indexer_ref.indexer_topk_paged(q, w, keys, jnp.asarray(page_table), epp, limit, topk)
     got = indexer_ffi.indexer_topk_paged(q, w, keys, jnp.asarray(page_table), epp, limit, topk)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("mode", ["fused", "scored"])
+@pytest.mark.parametrize("topk", [100, 2048])
+def test_indexer_topk_keeps_up_to_2048_of_thousands_with_ties(monkeypatch, mode, topk):
+    # Up to the most the CUDA kernel keeps (2048), from visible counts on both sides of it (and
+    # none, and fewer than topk) in one call; 48 pages drawn from 12 make every score appear
+    # several times, so ties at the radix threshold are split by candidate.
+    monkeypatch.setattr(ffi_kernels, "indexer_scratch_columns",
+                        lambda platform, t, s, i, j: s if mode == "scored" else 0)
+    rng = np.random.default_rng(topk)
+    t, pages, epp = 5, 48, 64
+    keys = _table(rng, EntryFormat.INDEX_FP4, 12 * epp, 128, 0, jnp.bfloat16)
+    q = jnp.asarray(rng.normal(size=(t, 4, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(t, 4)), jnp.float32)
+    page_table = jnp.asarray(rng.integers(0, 12, size=(t, pages)), jnp.int32)
+    limit = jnp.asarray([2048, 2049, 3071, 0, 1000], jnp.int32)
+    want = indexer_ref.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+    got = indexer_ffi.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

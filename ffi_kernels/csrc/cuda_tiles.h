@@ -105,6 +105,20 @@ __device__ __forceinline__ uint4 E4m3EightToBf16(uint2 bits, float scale) {
                     PackBf16(c.x * scale, c.y * scale), PackBf16(d.x * scale, d.y * scale));
 }
 
+// Eight e2m1 codes (nibbles, the lowest first) times a power-of-two scale -> eight bf16, exactly.
+// A code's bits (e1 e0 m) placed at a float's bits 24..22, its sign at 31, make the value times
+// 2^-126 (a subnormal when e1 e0 = 0; kept, as nothing here flushes denormals), so two exact
+// multiplies give value x scale, with no per-code branches or table.
+__device__ __forceinline__ uint4 E2m1EightToBf16(uint32_t codes, float scale) {
+  float v[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const uint32_t c = codes >> (4 * e);
+    v[e] = __uint_as_float(((c & 7u) << 22) | ((c & 8u) << 28)) * 0x1p126f * scale;
+  }
+  return make_uint4(PackBf16(v[0], v[1]), PackBf16(v[2], v[3]), PackBf16(v[4], v[5]), PackBf16(v[6], v[7]));
+}
+
 __device__ __forceinline__ uint4 DecodeEight(const TableView& t, int64_t k0, const RawEight& r) {
   const Elem type = k0 < t.values_width ? t.values_type : Elem::kBf16;
   if (type == Elem::kBf16 && r.scale == 127) return r.bits;  // bf16 as stored

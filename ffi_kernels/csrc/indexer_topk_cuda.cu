@@ -18,7 +18,9 @@
 // (2) A radix select over the scores' order-preserving bit patterns (4 passes of 8 bits, each
 // histogram's bin found by a block-wide scan) finds the k-th largest. (3) Every candidate
 // above it is kept, and of those equal to it the lowest-numbered ones. (4) A bitonic sort
-// orders the kept ones by (score desc, candidate asc), the reference's order.
+// orders the kept ones by (score desc, candidate asc), the reference's order, each entry
+// sorted as one 64-bit key. (Sorting every candidate instead, for decode's 1024, measured
+// ~1 us slower than select-then-sort on an H200.)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -44,6 +46,18 @@ constexpr int kMmaRows = 64;               // tensor-core scoring: heads (padded
 constexpr int kMmaMaxDim = 128;
 constexpr int kMmaGroups = kMmaRows / 16;  // head groups of 16 (the mma's M)
 constexpr int kPad = 8;                    // bf16 row padding: conflict-free ldmatrix rows
+
+// How a kernel scores: f32 FMA, tensor cores on any key layout, or tensor cores on the model's
+// FP4 index keys (IsIndexFp4: constant-offset loads and a branch-free decode).
+enum class Scorer { kScalar, kMma, kMmaIndexFp4 };
+
+// The model's stored index key (INDEX_FP4 at FLASH dims): 128 e2m1 codes packed two a byte,
+// one E8M0 scale per 32.
+namespace index_fp4 {
+constexpr int kDim = 128, kBlock = 32;
+constexpr int kBytes = kDim / 2;           // packed codes a row
+constexpr int kQuarters = kDim / kBlock;   // 16-byte quarters a row, one scale each
+}  // namespace index_fp4
 
 // Bytes of the region before the score row: the scoring inputs (q in f32 for the scalar
 // scorer; q and one key tile in bf16 plus the head groups' partial sums for the tensor-core
@@ -103,11 +117,16 @@ __device__ __forceinline__ int64_t VisibleCandidates(const TableView& keys, cons
 // g + 8, then across g by shuffles) and the four head groups' sums added in a fixed order.
 // Pipelined: the stored rows of tile n + 1 are resolved while tile n's keys are decoded, and
 // its keys loaded (into registers) before tile n's products run.
+// kIndexFp4: the keys are in the model's FP4 layout (IsIndexFp4): thread r * 4 + u loads
+// quarter u of row r (16 bytes: 32 codes, one scale block) and decodes it with constant
+// offsets; otherwise each thread loads and decodes four generic 8-value chunks.
+template <bool kIndexFp4>
 __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& keys, const int32_t* page_table,
-                          int64_t p_n, int64_t epp, int64_t t, int64_t begin, int64_t end, int64_t i_n, int64_t j_n,
+                          int64_t p_n, int64_t epp, int64_t t, int64_t begin, int64_t end, int64_t i_n, int64_t j_arg,
                           unsigned char* smem, float* row_scores) {
   __shared__ float w_s[kMmaRows];
   __shared__ int64_t rows_s[2][kMmaRows];  // stored row of each candidate of the tile (-1 past the end)
+  const int64_t j_n = kIndexFp4 ? index_fp4::kDim : j_arg;
   const int ld = static_cast<int>(j_n) + kPad;
   uint16_t* q_s = reinterpret_cast<uint16_t*>(smem);        // [kMmaRows heads][ld]
   uint16_t* k_s = q_s + kMmaRows * ld;                       // [kMmaRows candidates][ld]
@@ -128,27 +147,52 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
     w_s[threadIdx.x] = threadIdx.x < i_n ? w[t * i_n + threadIdx.x] : 0.0f;
     rows_s[0][threadIdx.x] = s < end ? CandidateRow(pages, epp, s, keys.rows) : -1;
   }
-  CopyAsyncCommitAndWaitAll();
-  __syncthreads();
+  __syncthreads();  // the first tile's rows resolved (q is still on its way)
   constexpr int kFill = kMmaRows * (kMmaMaxDim / 8) / kThreads;  // 16-byte chunks per thread per tile
-  RawEight raw[kFill];
+  RawEight raw[kFill];  // generic layout: this thread's chunks of the next tile
+  uint4 codes;          // FP4 layout: this thread's quarter row of the next tile, and its scale
+  uint8_t codes_scale;
   auto load_tile = [&](const int64_t* rows) {
+    if constexpr (kIndexFp4) {
+      static_assert(kMmaRows * index_fp4::kQuarters == kThreads, "one quarter row a thread");
+      const int quarter = threadIdx.x % index_fp4::kQuarters;
+      const int64_t row = rows[threadIdx.x / index_fp4::kQuarters];
+      codes = make_uint4(0, 0, 0, 0);  // decodes to zeros
+      codes_scale = 127;
+      if (row >= 0) {
+        codes = *reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(keys.values) +
+                                                row * index_fp4::kBytes + 16 * quarter);
+        codes_scale = keys.scales[row * index_fp4::kQuarters + quarter];
+      }
+    } else {
 #pragma unroll
-    for (int u = 0; u < kFill; ++u) {
-      const int e = threadIdx.x + u * kThreads, r = e / chunks, k = 8 * (e % chunks);
-      raw[u] = {make_uint4(0, 0, 0, 0), 127};
-      if (e < kMmaRows * chunks && rows[r] >= 0) raw[u] = LoadEight(keys, rows[r], k);
+      for (int u = 0; u < kFill; ++u) {
+        const int e = threadIdx.x + u * kThreads, r = e / chunks, k = 8 * (e % chunks);
+        raw[u] = {make_uint4(0, 0, 0, 0), 127};
+        if (e < kMmaRows * chunks && rows[r] >= 0) raw[u] = LoadEight(keys, rows[r], k);
+      }
     }
   };
-  load_tile(rows_s[0]);
+  load_tile(rows_s[0]);          // the first keys in flight together with q: one memory latency, not two
+  CopyAsyncCommitAndWaitAll();  // this thread's q copies landed (the loop's first barrier shows them to all)
   int buf = 0;
   for (int64_t base = begin; base < end; base += kMmaRows, buf ^= 1) {
+    if constexpr (kIndexFp4) {
+      const float scale = E8m0ToFloat(codes_scale);
+      const int quarter_row = threadIdx.x / index_fp4::kQuarters, quarter = threadIdx.x % index_fp4::kQuarters;
+      uint4* dst = reinterpret_cast<uint4*>(k_s + quarter_row * ld + index_fp4::kBlock * quarter);
+      dst[0] = E2m1EightToBf16(codes.x, scale);
+      dst[1] = E2m1EightToBf16(codes.y, scale);
+      dst[2] = E2m1EightToBf16(codes.z, scale);
+      dst[3] = E2m1EightToBf16(codes.w, scale);
+    } else {
 #pragma unroll
-    for (int u = 0; u < kFill; ++u) {
-      const int e = threadIdx.x + u * kThreads, r = e / chunks, k = 8 * (e % chunks);
-      if (e < kMmaRows * chunks) {
-        *reinterpret_cast<uint4*>(k_s + r * ld + k) =
-            rows_s[buf][r] >= 0 ? DecodeEight(keys, k, raw[u]) : make_uint4(0, 0, 0, 0);
+      for (int u = 0; u < kFill; ++u) {
+        const int e = threadIdx.x + u * kThreads, r = e / chunks, k = 8 * (e % chunks);
+        if (e < kMmaRows * chunks) {
+          *reinterpret_cast<uint4*>(k_s + r * ld + k) =
+              rows_s[buf][r] >= 0 ? DecodeEight(keys, k, raw[u]) : make_uint4(0, 0, 0, 0);
+        }
       }
     }
     if (threadIdx.x < kMmaRows) {
@@ -221,13 +265,13 @@ __device__ void ScalarScores(const void* q, Elem q_type, const float* w, const T
   }
 }
 
-template <bool kTensorCores>
+template <Scorer kScorer>
 __device__ void Scores(const void* q, Elem q_type, const float* w, const TableView& keys, const int32_t* page_table,
                        int64_t p_n, int64_t epp, int64_t t, int64_t begin, int64_t end, int64_t i_n, int64_t j_n,
                        unsigned char* smem, float* row_scores) {
-  if constexpr (kTensorCores) {
-    MmaScores(static_cast<const uint16_t*>(q), w, keys, page_table, p_n, epp, t, begin, end, i_n, j_n, smem,
-              row_scores);
+  if constexpr (kScorer != Scorer::kScalar) {
+    MmaScores<kScorer == Scorer::kMmaIndexFp4>(static_cast<const uint16_t*>(q), w, keys, page_table, p_n, epp, t,
+                                               begin, end, i_n, j_n, smem, row_scores);
   } else {
     ScalarScores(q, q_type, w, keys, page_table, p_n, epp, t, begin, end, i_n, j_n, smem, row_scores);
   }
@@ -239,7 +283,7 @@ __device__ void Scores(const void* q, Elem q_type, const float* w, const TableVi
 // did, and decode's 512 one-tile blocks at C32 ran as 1.3 waves on an H200; the shared memory,
 // ~37 KB a block, allows six).
 constexpr int kScoreBlocksPerSm = 4;
-template <bool kTensorCores>
+template <Scorer kScorer>
 __global__ void __launch_bounds__(kThreads, kScoreBlocksPerSm)
     IndexerScoreKernel(const void* q, Elem q_type, const float* w, TableView keys, const int32_t* page_table,
                        int64_t p_n, int64_t epp, const int32_t* limit, float* scores, int64_t i_n, int64_t j_n,
@@ -248,7 +292,7 @@ __global__ void __launch_bounds__(kThreads, kScoreBlocksPerSm)
   const int64_t t = blockIdx.x, s_n = p_n * epp, begin = blockIdx.y * per_block;
   const int64_t end = min(VisibleCandidates(keys, limit, t, s_n), begin + per_block);
   if (begin >= end) return;
-  Scores<kTensorCores>(q, q_type, w, keys, page_table, p_n, epp, t, begin, end, i_n, j_n, smem, scores + t * s_n);
+  Scores<kScorer>(q, q_type, w, keys, page_table, p_n, epp, t, begin, end, i_n, j_n, smem, scores + t * s_n);
 }
 
 // Counts per radix bin -> the bin of the remaining-th largest key: thread b holds bin 255 - b,
@@ -278,88 +322,96 @@ __device__ void FindBin(const uint32_t* hist, int shift, uint32_t* warp_totals, 
   }
 }
 
+// Selected entries are sorted as one 64-bit key each: the score's order key above the
+// candidate's complement, so that larger keys come first and, among equal scores, lower
+// candidates (the reference's order); one compare and one 64-bit shuffle per exchange. 0 (the
+// padding) sorts after every candidate.
+__device__ __forceinline__ uint64_t SortKey(float score, int64_t candidate) {
+  return static_cast<uint64_t>(OrderKey(score)) << 32 | static_cast<uint32_t>(~static_cast<uint32_t>(candidate));
+}
+
+__device__ __forceinline__ int32_t CandidateOf(uint64_t key) {
+  return static_cast<int32_t>(~static_cast<uint32_t>(key));
+}
+
 // The bitonic network's stages of stride <= 32 run in registers, a warp per 64-entry segment
 // (lane l holds entries l and l + 32 of it; partners of stride < 32 are exchanged by
 // shuffles), so only the stages of stride >= 64 need shared memory and a block barrier: for
-// 512 entries 6 barrier stages instead of 45.
+// 1024 entries 10 barrier stages instead of 55.
 constexpr int kSegment = 64;
 
 // One compare-exchange stage of the network (block `size`, partner distance `stride` <= 32)
-// on a warp's segment in registers: entry i ends up holding the earlier (in output order) of
-// itself and entry i ^ stride when i is the lower of the two in an ascending block.
-__device__ __forceinline__ void RegisterStage(int base, int size, int stride, float (&score)[2], int32_t (&id)[2]) {
+// on a warp's segment in registers: within an ascending block ("ascending" = output order,
+// larger keys first) the lower entry of a pair keeps the larger key.
+__device__ __forceinline__ void RegisterStage(int base, int size, int stride, uint64_t (&key)[2]) {
   const int lane = threadIdx.x % 32;
   if (stride == 32) {  // entries lane and lane + 32: both in this lane
     const bool ascending = ((base + lane) & size) == 0;
-    if (ascending ? Before(score[1], id[1], score[0], id[0]) : Before(score[0], id[0], score[1], id[1])) {
-      const float ts = score[0];
-      const int32_t ti = id[0];
-      score[0] = score[1], id[0] = id[1];
-      score[1] = ts, id[1] = ti;
+    if (ascending == (key[1] > key[0])) {
+      const uint64_t k0 = key[0];
+      key[0] = key[1];
+      key[1] = k0;
     }
     return;
   }
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
-    const float other_score = __shfl_xor_sync(0xffffffffu, score[k], stride);
-    const int32_t other_id = __shfl_xor_sync(0xffffffffu, id[k], stride);
+    const uint64_t other = __shfl_xor_sync(0xffffffffu, key[k], stride);
     const bool lower = (lane & stride) == 0, ascending = ((base + lane + 32 * k) & size) == 0;
-    // As the shared-memory stage decides for the pair (lower entry e, upper entry p):
-    // swap when ascending ? Before(p, e) : Before(e, p); each lane takes the other's entry then.
-    const bool other_first = Before(other_score, other_id, score[k], id[k]);
-    const bool mine_first = Before(score[k], id[k], other_score, other_id);
-    const bool swap = lower == ascending ? other_first : mine_first;
-    if (swap) score[k] = other_score, id[k] = other_id;
+    // The lower entry of an ascending pair (or the upper of a descending one) takes the larger.
+    if ((lower == ascending) == (other > key[k])) key[k] = other;
   }
 }
 
-// Every stage of block `size` with stride <= min(32, size / 2), on each warp's segments.
-__device__ void RegisterStages(float* sel_score, int32_t* sel_id, int n_sort, int first_size, int last_size) {
+// Every stage of blocks `first_size` .. `last_size` with stride <= min(32, size / 2), on each
+// warp's segments.
+__device__ void RegisterStages(uint64_t* keys, int n_sort, int first_size, int last_size) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int base = warp * kSegment; base < n_sort; base += kWarps * kSegment) {
-    float score[2] = {sel_score[base + lane], sel_score[base + lane + 32]};
-    int32_t id[2] = {sel_id[base + lane], sel_id[base + lane + 32]};
+    uint64_t key[2] = {keys[base + lane], keys[base + lane + 32]};
     for (int size = first_size; size <= last_size; size <<= 1) {
-      for (int stride = min(32, size / 2); stride > 0; stride >>= 1) RegisterStage(base, size, stride, score, id);
+      for (int stride = min(32, size / 2); stride > 0; stride >>= 1) RegisterStage(base, size, stride, key);
     }
-    sel_score[base + lane] = score[0], sel_id[base + lane] = id[0];
-    sel_score[base + lane + 32] = score[1], sel_id[base + lane + 32] = id[1];
+    keys[base + lane] = key[0];
+    keys[base + lane + 32] = key[1];
   }
 }
 
-// Sorts sel_score / sel_id [0, n_sort) (a power of two >= kSegment) by Before: blocks up to 64
-// entries wholly in registers, then for each larger block its strides >= 64 in shared memory
-// and the rest in registers.
-__device__ void SortKept(float* sel_score, int32_t* sel_id, int n_sort) {
-  RegisterStages(sel_score, sel_id, n_sort, 2, kSegment);
+// Sorts keys [0, n_sort) (a power of two >= kSegment) largest first: blocks up to 64 entries
+// wholly in registers, then for each larger block its strides >= 64 in shared memory and the
+// rest in registers.
+__device__ void SortKeys(uint64_t* keys, int n_sort) {
+  RegisterStages(keys, n_sort, 2, kSegment);
   __syncthreads();
   for (int size = 2 * kSegment; size <= n_sort; size <<= 1) {
     for (int stride = size / 2; stride >= kSegment; stride >>= 1) {
       for (int e = threadIdx.x; e < n_sort; e += kThreads) {
         const int partner = e ^ stride;
         if (partner > e) {
-          const bool ascending = (e & size) == 0;  // "ascending" = in the output order
-          if (ascending ? Before(sel_score[partner], sel_id[partner], sel_score[e], sel_id[e])
-                        : Before(sel_score[e], sel_id[e], sel_score[partner], sel_id[partner])) {
-            const float ts = sel_score[e];
-            const int32_t ti = sel_id[e];
-            sel_score[e] = sel_score[partner], sel_id[e] = sel_id[partner];
-            sel_score[partner] = ts, sel_id[partner] = ti;
-          }
+          const bool ascending = (e & size) == 0;
+          const uint64_t mine = keys[e], other = keys[partner];
+          if (ascending == (other > mine)) keys[e] = other, keys[partner] = mine;
         }
       }
       __syncthreads();
     }
-    RegisterStages(sel_score, sel_id, n_sort, size, size);
+    RegisterStages(keys, n_sort, size, size);
     __syncthreads();
   }
 }
 
-template <bool kTensorCores>
+// The smallest power of two >= max(n, kSegment): the sorted length of n entries.
+__device__ __forceinline__ int SortLength(int64_t n) {
+  int n_sort = kSegment;
+  while (n_sort < n) n_sort <<= 1;
+  return n_sort;
+}
+
+template <Scorer kScorer>
 __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, TableView keys, const int32_t* page_table,
                                   int64_t p_n, int64_t epp, const int32_t* limit, const float* scores, int32_t* ids,
                                   int64_t i_n, int64_t j_n, int64_t k_n) {
-  extern __shared__ unsigned char smem[];
+  extern __shared__ __align__(16) unsigned char smem[];
   __shared__ uint32_t hist[256];
   __shared__ uint32_t prefix, want_mask, remaining, settled, n_above, n_equal, n_equal_taken;
   __shared__ uint32_t warp_counts[kWarps];
@@ -372,10 +424,12 @@ __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, Ta
   // (1) scores: already in the scratch (scored mode), or computed here into shared memory.
   float* on_chip_row = reinterpret_cast<float*>(smem + region);
   if (!scores) {
-    Scores<kTensorCores>(q, q_type, w, keys, page_table, p_n, epp, t, 0, visible, i_n, j_n, smem, on_chip_row);
+    Scores<kScorer>(q, q_type, w, keys, page_table, p_n, epp, t, 0, visible, i_n, j_n, smem, on_chip_row);
   }
   const float* row_scores = scores ? scores + t * s_n : on_chip_row;
   __syncthreads();
+
+  uint64_t* sel = reinterpret_cast<uint64_t*>(smem);  // the kept entries' sort keys (the scoring region is free)
 
   // (2) radix select: the key of the kept-th largest score.
   if (threadIdx.x == 0) {
@@ -400,11 +454,9 @@ __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, Ta
   // is the (masked) key of the kept-th largest, and `remaining` of its equals are kept.
   const uint32_t mask = want_mask, threshold = prefix;
 
-  // (3) collect into shared memory (the scoring region is free now): every key above the
-  // threshold; of those equal to it all when exactly `remaining` are (the usual case), else
-  // the lowest-numbered `remaining`, chunk by chunk in candidate order.
-  float* sel_score = reinterpret_cast<float*>(smem);
-  int32_t* sel_id = reinterpret_cast<int32_t*>(smem + kMaxTopk * sizeof(float));
+  // (3) collect the sort keys into `sel`: every score above the threshold; of those equal to it
+  // all when exactly `remaining` are (the usual case), else the lowest-numbered `remaining`,
+  // chunk by chunk in candidate order.
   if (threadIdx.x == 0) {
     n_above = 0;
     n_equal = 0;
@@ -415,8 +467,7 @@ __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, Ta
     const uint32_t key = OrderKey(row_scores[s]) & mask;
     if (key > threshold) {
       const uint32_t at = atomicAdd(&n_above, 1u);
-      sel_score[at] = row_scores[s];
-      sel_id[at] = static_cast<int32_t>(s);
+      sel[at] = SortKey(row_scores[s], s);
     } else if (key == threshold) {
       atomicAdd(&n_equal, 1u);
     }
@@ -426,8 +477,7 @@ __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, Ta
   for (int64_t s = threadIdx.x; kept > 0 && all_equals && s < visible; s += kThreads) {
     if ((OrderKey(row_scores[s]) & mask) == threshold) {
       const uint32_t at = n_above + atomicAdd(&n_equal_taken, 1u);
-      sel_score[at] = row_scores[s];
-      sel_id[at] = static_cast<int32_t>(s);
+      sel[at] = SortKey(row_scores[s], s);
     }
   }
   for (int64_t base = 0; kept > 0 && !all_equals && base < visible; base += kThreads) {
@@ -441,8 +491,7 @@ __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, Ta
     before += __popc(ballot & ((1u << lane) - 1u));
     if (eq && before < remaining) {
       const uint32_t at = n_above + before;
-      sel_score[at] = row_scores[s];
-      sel_id[at] = static_cast<int32_t>(s);
+      sel[at] = SortKey(row_scores[s], s);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -453,25 +502,31 @@ __global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, Ta
   __syncthreads();
 
   // (4) bitonic sort of the kept entries (padded to a power of two, at least one warp segment,
-  // with entries that sort last).
-  int n_sort = kSegment;
-  while (n_sort < kept) n_sort <<= 1;
-  for (int e = static_cast<int>(kept) + threadIdx.x; e < n_sort; e += kThreads) {
-    sel_score[e] = -INFINITY;
-    sel_id[e] = INT_MAX;
-  }
+  // with keys that sort last).
+  const int n_sort = SortLength(kept);
+  for (int e = static_cast<int>(kept) + threadIdx.x; e < n_sort; e += kThreads) sel[e] = 0;
   __syncthreads();
-  SortKept(sel_score, sel_id, n_sort);
-  for (int64_t k = threadIdx.x; k < k_n; k += kThreads) ids[t * k_n + k] = k < kept ? sel_id[k] : -1;
+  SortKeys(sel, n_sort);
+  for (int64_t k = threadIdx.x; k < k_n; k += kThreads) ids[t * k_n + k] = k < kept ? CandidateOf(sel[k]) : -1;
 }
 
-// Whether the tensor-core scorer serves these arguments (else the scalar one does).
-bool TensorCoresServe(const IndexerArgs& a) {
+// How these arguments are scored (Scorer).
+Scorer ScorerFor(const IndexerArgs& a) {
   const TableView& k = a.keys;
   const bool values = k.values_type == Elem::kBf16 || k.values_type == Elem::kE4m3 || k.values_type == Elem::kE2m1x2;
-  return a.q_type == Elem::kBf16 && a.i <= kMmaRows && a.j % 16 == 0 && a.j <= kMmaMaxDim && k.rope_width == 0 &&
-         values && k.values_width % 8 == 0 && (k.scales_width == 0 || k.block % 8 == 0);
+  const bool mma = a.q_type == Elem::kBf16 && a.i <= kMmaRows && a.j % 16 == 0 && a.j <= kMmaMaxDim &&
+                   k.rope_width == 0 && values && k.values_width % 8 == 0 && (k.scales_width == 0 || k.block % 8 == 0);
+  if (!mma) return Scorer::kScalar;
+  const bool index_fp4 = k.values_type == Elem::kE2m1x2 && a.j == index_fp4::kDim && k.values_width == a.j &&
+                         k.block == index_fp4::kBlock && k.scales_width == index_fp4::kQuarters;
+  return index_fp4 ? Scorer::kMmaIndexFp4 : Scorer::kMma;
 }
+
+// The kernels of each scorer, in Scorer's order.
+constexpr decltype(&IndexerScoreKernel<Scorer::kScalar>) kScoreKernels[] = {
+    IndexerScoreKernel<Scorer::kScalar>, IndexerScoreKernel<Scorer::kMma>, IndexerScoreKernel<Scorer::kMmaIndexFp4>};
+constexpr decltype(&IndexerTopkKernel<Scorer::kScalar>) kTopkKernels[] = {
+    IndexerTopkKernel<Scorer::kScalar>, IndexerTopkKernel<Scorer::kMma>, IndexerTopkKernel<Scorer::kMmaIndexFp4>};
 
 ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer key_values,
                            ffi::AnyBuffer key_scales, ffi::AnyBuffer key_rope, ffi::Buffer<ffi::S32> page_table,
@@ -493,11 +548,11 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
     return Invalid("the score rows do not fit in shared memory: pass a scores scratch [T, S]");
   }
   if (a.t == 0 || a.k == 0) return ffi::Error::Success();
-  const bool mma = TensorCoresServe(a);
+  const int scorer = static_cast<int>(ScorerFor(a));
   const size_t region = RegionBytes(a.i, a.j);
   if (a.scratch) {  // scored mode: the scores over many blocks, then the selection
     // Tiles per block: as few as keep the grid in one wave of resident blocks.
-    auto* score = mma ? IndexerScoreKernel<true> : IndexerScoreKernel<false>;
+    auto* score = kScoreKernels[scorer];
     static const int64_t sms = std::max<int64_t>(Dsv4MultiprocessorCount(), 1);  // once per process
     const int64_t slots = kScoreBlocksPerSm * sms, tiles = (a.s + kMmaRows - 1) / kMmaRows;
     const int64_t per_block = kMmaRows * std::max<int64_t>(1, (a.t * tiles + slots - 1) / slots);
@@ -506,21 +561,23 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
                                               page_table.typed_data(), a.p, a.epp, limit.typed_data(),
                                               scores->typed_data(), a.i, a.j, per_block);
     if (auto e = LastCudaError("IndexerScoreKernel"); e.failure()) return e;
-    auto* select = mma ? IndexerTopkKernel<true> : IndexerTopkKernel<false>;
+    auto* select = kTopkKernels[scorer];
     select<<<static_cast<unsigned>(a.t), kThreads, region, stream>>>(
         q.untyped_data(), a.q_type, w.typed_data(), a.keys, page_table.typed_data(), a.p, a.epp, limit.typed_data(),
         scores->typed_data(), ids->typed_data(), a.i, a.j, a.k);
     return LastCudaError("IndexerTopkKernel");
   }
-  auto* kernel = mma ? IndexerTopkKernel<true> : IndexerTopkKernel<false>;
+  auto* kernel = kTopkKernels[scorer];
   // Once per process and kernel: allow the device's whole opt-in shared memory (above 48 KB).
-  static const cudaError_t attr[2] = {
-      cudaFuncSetAttribute(IndexerTopkKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  static const cudaError_t attr[3] = {
+      cudaFuncSetAttribute(kTopkKernels[0], cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(OptInSharedBytes() - kStaticSharedBytes)),
-      cudaFuncSetAttribute(IndexerTopkKernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      cudaFuncSetAttribute(kTopkKernels[1], cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(OptInSharedBytes() - kStaticSharedBytes)),
+      cudaFuncSetAttribute(kTopkKernels[2], cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(OptInSharedBytes() - kStaticSharedBytes))};
-  if (attr[mma] != cudaSuccess) {
-    return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr[mma]));
+  if (attr[scorer] != cudaSuccess) {
+    return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr[scorer]));
   }
   kernel<<<static_cast<unsigned>(a.t), kThreads, region + a.s * sizeof(float), stream>>>(
       q.untyped_data(), a.q_type, w.typed_data(), a.keys, page_table.typed_data(), a.p, a.epp, limit.typed_data(),

@@ -6,8 +6,9 @@
 // warps. Each tile of kTile selected rows is decoded once into shared memory as bf16 (e4m3 x
 // E8M0 is exact in bf16) and used by all 64 heads: S = Q K^T and O += P V run on mma.sync
 // m16n8k16 (bf16 in, f32 accumulate; the same code serves SM90 and SM120). Warp w owns heads
-// 16 (w % 4) .. +16 and output columns (w / 4) * H/2 .. +H/2; the two warps of a head group
-// both compute its S (the price of keeping a 16 x 256 f32 accumulator per warp in registers).
+// 16 (w % 4) .. +16 and output columns (w / 4) * H/2 .. +H/2. The two warps of a head group
+// each compute its S over half of the head dim and add the other's half from shared memory, so
+// both hold the whole S (a + b == b + a) without either computing all of it.
 // Softmax online with the sink as the starting max (m = sink, l = 1), in base 2.
 // Pipelined: while tile n is computed, tile n + 1's stored bytes are on their way into a
 // staging buffer (cp.async, no registers held) and its scales into registers, and the slot
@@ -161,15 +162,26 @@ int64_t StageStride(const TableView& ring, const TableView& fresh, const TableVi
   return (most + 15) / 16 * 16;
 }
 
+constexpr int kTcWarps = kTcThreads / 32;
+constexpr int kScoreBlocks = kTile / 8;  // 8-row blocks of a tile: a warp's S fragments
+
 // Shared memory: q [64][h + pad] and one decoded tile [32][h + pad] in bf16, the staged raw
-// tile [32][stage] and its scale bytes [32][16].
+// tile [32][stage] and its scale bytes [32][16], then each warp's half-dim S fragments
+// [8 warps][4 blocks][32 lanes] float4.
 int64_t TensorCoreSharedBytes(int64_t h, int64_t stage) {
-  return (kTcHeads + kTile) * (h + kPad) * 2 + kTile * stage + kTile * kMaxScales;
+  return (kTcHeads + kTile) * (h + kPad) * 2 + kTile * stage + kTile * kMaxScales +
+         kTcWarps * kScoreBlocks * 32 * sizeof(float4);
 }
 
 struct TableViews {
   TableView t[3];  // ring, fresh, compressed
 };
+
+// A barrier for the two warps of head group `group` (warps group and group + 4): named barrier
+// 1 + group (0 is __syncthreads'), 64 threads.
+__device__ __forceinline__ void PairBarrier(int group) {
+  asm volatile("bar.sync %0, 64;\n" ::"r"(1 + group) : "memory");
+}
 
 __device__ __forceinline__ float QuadMax(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
@@ -295,6 +307,7 @@ __global__ void __launch_bounds__(kTcThreads)
   uint16_t* kv_s = smem + kTcHeads * ld;  // [kTile][ld]
   unsigned char* stage = reinterpret_cast<unsigned char*>(kv_s + kTile * ld);  // [kTile][stage_ld]
   uint8_t* scales_s = stage + kTile * stage_ld;                                 // [kTile][kMaxScales]
+  float4* half_s = reinterpret_cast<float4*>(scales_s + kTile * kMaxScales);    // [warp][block][lane]
   const int64_t t = blockIdx.x, head0 = static_cast<int64_t>(blockIdx.y) * kTcHeads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = warp % 4, half = warp / 4, g = lane / 4, c = lane % 4;
@@ -385,16 +398,18 @@ __global__ void __launch_bounds__(kTcThreads)
       }
     }
 
-    // S = Q K^T: this group's 16 heads x the tile's rows.
-    float sc[kTile / 8][4];
+    // S = Q K^T: this group's 16 heads x the tile's rows, this warp over its half of the head
+    // dim; then the group's other warp's half added (a pair barrier: warps w and w + 4).
+    float sc[kScoreBlocks][4];
 #pragma unroll
-    for (int b = 0; b < kTile / 8; ++b) sc[b][0] = sc[b][1] = sc[b][2] = sc[b][3] = 0.0f;
+    for (int b = 0; b < kScoreBlocks; ++b) sc[b][0] = sc[b][1] = sc[b][2] = sc[b][3] = 0.0f;
+    const int k_begin = half * (h_n / 2);
 #pragma unroll 4
-    for (int k0 = 0; k0 < h_n; k0 += 16) {
+    for (int k0 = k_begin; k0 < k_begin + h_n / 2; k0 += 16) {
       uint32_t a[4];
       LdMatrixX4(a, q_s + (group * 16 + lane % 16) * ld + k0 + (lane / 16) * 8);
 #pragma unroll
-      for (int b = 0; b < kTile / 8; b += 2) {
+      for (int b = 0; b < kScoreBlocks; b += 2) {
         uint32_t kb[4];
         const int m = lane / 8;
         LdMatrixX4(kb, kv_s + (b * 8 + (m / 2) * 8 + lane % 8) * ld + k0 + (m % 2) * 8);
@@ -402,11 +417,21 @@ __global__ void __launch_bounds__(kTcThreads)
         Mma(sc[b + 1], a, kb[2], kb[3]);
       }
     }
+#pragma unroll
+    for (int b = 0; b < kScoreBlocks; ++b) {
+      half_s[(warp * kScoreBlocks + b) * 32 + lane] = make_float4(sc[b][0], sc[b][1], sc[b][2], sc[b][3]);
+    }
+    PairBarrier(group);  // (the next tile's writes come after the loop's block barriers)
+#pragma unroll
+    for (int b = 0; b < kScoreBlocks; ++b) {
+      const float4 other = half_s[((warp ^ 4) * kScoreBlocks + b) * 32 + lane];
+      sc[b][0] += other.x, sc[b][1] += other.y, sc[b][2] += other.z, sc[b][3] += other.w;
+    }
 
     // Online softmax (base 2), unselected rows masked out.
     float max_lo = m_lo, max_hi = m_hi;
 #pragma unroll
-    for (int b = 0; b < kTile / 8; ++b) {
+    for (int b = 0; b < kScoreBlocks; ++b) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const bool valid = tile[b * 8 + 2 * c + i].table >= 0;
@@ -421,7 +446,7 @@ __global__ void __launch_bounds__(kTcThreads)
     m_lo = max_lo, m_hi = max_hi;
     float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
-    for (int b = 0; b < kTile / 8; ++b) {
+    for (int b = 0; b < kScoreBlocks; ++b) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         sc[b][i] = exp2f(sc[b][i] - m_lo);
