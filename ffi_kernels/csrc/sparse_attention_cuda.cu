@@ -513,38 +513,47 @@ __global__ void __launch_bounds__(kTcThreads)
   }
 }
 
-// Merges the S split parts of each (query, head): out = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s
-// with M = max_s m_s (part 0 carries the sink, so M is finite). One block per (query, head);
-// the parts' weights 2^(m_s - M) are computed once into shared memory ([2][S] floats), so the
-// partial-output loads of a column are independent of each other.
-__global__ void CombineSplitsKernel(const float* split_o, const float* split_ml, uint16_t* out, int64_t splits,
-                                    int64_t tn, int64_t h_n) {
-  extern __shared__ float combine_s[];  // [splits] weights, then [splits] denominators
-  __shared__ float big_s, denom_s;
-  const int64_t row = blockIdx.x;  // t * N + head
+// Merges the S split parts of each (query, head) row: out = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s
+// with M = max_s m_s (part 0 carries the sink, so M is finite). One warp per 128 columns of a
+// row (so that decode's few rows still make many warps) and no block barrier: the lanes reduce
+// the parts' maxima and denominators by shuffles and put the parts' weights 2^(m_s - M) in the
+// warp's slice of shared memory, then each lane merges four columns (float4 loads, all parts'
+// loads independent).
+constexpr int kCombineWarps = 8;
+constexpr int kCombineColumns = 4 * 32;  // a warp's columns
+
+__global__ void __launch_bounds__(kCombineWarps * 32)
+    CombineSplitsKernel(const float* split_o, const float* split_ml, uint16_t* out, int64_t splits, int64_t tn,
+                        int64_t h_n) {
+  extern __shared__ float combine_s[];  // [kCombineWarps][splits] weights
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t quarters = (h_n + kCombineColumns - 1) / kCombineColumns;
+  const int64_t unit = static_cast<int64_t>(blockIdx.x) * kCombineWarps + warp;
+  const int64_t row = unit / quarters, k = unit % quarters * kCombineColumns + 4 * lane;  // row: t * N + head
+  if (row >= tn) return;
   const float2* ml = reinterpret_cast<const float2*>(split_ml);  // part p of this row: ml[p * tn + row]
-  for (int64_t p = threadIdx.x; p < splits; p += blockDim.x) {
+  float* weight = combine_s + warp * splits;
+  float big = kEmptyMax;
+  for (int64_t p = lane; p < splits; p += 32) big = fmaxf(big, ml[p * tn + row].x);
+  big = WarpMax(big);
+  float denom = 0.0f;
+  for (int64_t p = lane; p < splits; p += 32) {
     const float2 v = ml[p * tn + row];
-    combine_s[p] = v.x;
-    combine_s[splits + p] = v.y;
+    weight[p] = exp2f(v.x - big);
+    denom += weight[p] * v.y;
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float big = kEmptyMax;
-    for (int64_t p = 0; p < splits; ++p) big = fmaxf(big, combine_s[p]);
-    float denom = 0.0f;
-    for (int64_t p = 0; p < splits; ++p) denom += exp2f(combine_s[p] - big) * combine_s[splits + p];
-    big_s = big, denom_s = denom;
+  denom = WarpSum(denom);
+  __syncwarp();  // the weights visible to the whole warp
+  if (k >= h_n) return;  // (h_n is a multiple of 32 on this path: a lane's four columns are all in or all out)
+  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+  for (int64_t p = 0; p < splits; ++p) {
+    const float4 o = *reinterpret_cast<const float4*>(split_o + (p * tn + row) * h_n + k);
+    const float wp = weight[p];
+    acc.x += wp * o.x, acc.y += wp * o.y, acc.z += wp * o.z, acc.w += wp * o.w;
   }
-  __syncthreads();
-  for (int64_t p = threadIdx.x; p < splits; p += blockDim.x) combine_s[p] = exp2f(combine_s[p] - big_s);
-  __syncthreads();
-  for (int64_t k = threadIdx.x; k < h_n; k += blockDim.x) {
-    float acc = 0.0f;
-#pragma unroll 4
-    for (int64_t p = 0; p < splits; ++p) acc += combine_s[p] * split_o[(p * tn + row) * h_n + k];
-    out[row * h_n + k] = FloatToBf16(acc / denom_s);
-  }
+  *reinterpret_cast<uint2*>(out + row * h_n + k) =
+      make_uint2(PackBf16(acc.x / denom, acc.y / denom), PackBf16(acc.z / denom, acc.w / denom));
 }
 
 // Whether the tensor-core kernel serves these arguments (else the scalar kernel does).
@@ -592,8 +601,10 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
       static_cast<uint16_t*>(out), a.n, a.h, scale * kLog2e, std::max<int64_t>(per_split, 1),
       static_cast<int>(stage), split_o, split_ml);
   if (auto e = LastCudaError("TensorCoreAttentionKernel"); e.failure() || used == 1) return e;
-  CombineSplitsKernel<<<static_cast<unsigned>(a.t * a.n), 128, 2 * used * sizeof(float), stream>>>(
-      split_o, split_ml, static_cast<uint16_t*>(out), used, a.t * a.n, a.h);
+  const int64_t rows = a.t * a.n, units = rows * ((a.h + kCombineColumns - 1) / kCombineColumns);
+  CombineSplitsKernel<<<static_cast<unsigned>((units + kCombineWarps - 1) / kCombineWarps), kCombineWarps * 32,
+                        kCombineWarps * used * sizeof(float), stream>>>(split_o, split_ml,
+                                                                         static_cast<uint16_t*>(out), used, rows, a.h);
   return LastCudaError("CombineSplitsKernel");
 }
 
