@@ -24,7 +24,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <climits>
 
 #include "cuda_common.h"
 #include "cuda_tiles.h"
@@ -48,7 +47,7 @@ constexpr int kMmaGroups = kMmaRows / 16;  // head groups of 16 (the mma's M)
 constexpr int kPad = 8;                    // bf16 row padding: conflict-free ldmatrix rows
 
 // How a kernel scores: f32 FMA, tensor cores on any key layout, or tensor cores on the model's
-// FP4 index keys (IsIndexFp4: constant-offset loads and a branch-free decode).
+// FP4 index keys (ScorerFor: constant-offset loads and a branch-free decode).
 enum class Scorer { kScalar, kMma, kMmaIndexFp4 };
 
 // The model's stored index key (INDEX_FP4 at FLASH dims): 128 e2m1 codes packed two a byte,
@@ -61,9 +60,9 @@ constexpr int kQuarters = kDim / kBlock;   // 16-byte quarters a row, one scale 
 
 // Bytes of the region before the score row: the scoring inputs (q in f32 for the scalar
 // scorer; q and one key tile in bf16 plus the head groups' partial sums for the tensor-core
-// one), then the kept scores and ids of the selection.
+// one), then the kept entries' 64-bit sort keys of the selection.
 DSV4_HD size_t RegionBytes(int64_t i, int64_t j) {
-  const size_t scalar = i * j * sizeof(float), sel = kMaxTopk * (sizeof(float) + sizeof(int32_t));
+  const size_t scalar = i * j * sizeof(float), sel = kMaxTopk * sizeof(uint64_t);
   const size_t mma = j <= kMmaMaxDim ? 2 * kMmaRows * (j + kPad) * 2 + kMmaGroups * kMmaRows * sizeof(float) : 0;
   const size_t most = scalar > sel ? scalar : sel;
   return most > mma ? most : mma;
@@ -92,10 +91,6 @@ __device__ __forceinline__ uint32_t OrderKey(float v) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-__device__ __forceinline__ bool Before(float sa, int32_t ia, float sb, int32_t ib) {
-  return sa > sb || (sa == sb && ia < ib);
-}
-
 // The stored row of candidate s: its page's row, or the last row for an unallocated page (the
 // reference's clipped gather), clipped to the table too.
 __device__ __forceinline__ int64_t CandidateRow(const int32_t* pages, int64_t epp, int64_t s, int64_t rows) {
@@ -117,7 +112,7 @@ __device__ __forceinline__ int64_t VisibleCandidates(const TableView& keys, cons
 // g + 8, then across g by shuffles) and the four head groups' sums added in a fixed order.
 // Pipelined: the stored rows of tile n + 1 are resolved while tile n's keys are decoded, and
 // its keys loaded (into registers) before tile n's products run.
-// kIndexFp4: the keys are in the model's FP4 layout (IsIndexFp4): thread r * 4 + u loads
+// kIndexFp4: the keys are in the model's FP4 layout (ScorerFor): thread r * 4 + u loads
 // quarter u of row r (16 bytes: 32 codes, one scale block) and decodes it with constant
 // offsets; otherwise each thread loads and decodes four generic 8-value chunks.
 template <bool kIndexFp4>
@@ -337,7 +332,7 @@ __device__ __forceinline__ int32_t CandidateOf(uint64_t key) {
 // The bitonic network's stages of stride <= 32 run in registers, a warp per 64-entry segment
 // (lane l holds entries l and l + 32 of it; partners of stride < 32 are exchanged by
 // shuffles), so only the stages of stride >= 64 need shared memory and a block barrier: for
-// 1024 entries 10 barrier stages instead of 55.
+// 512 entries 6 barrier stages instead of 45.
 constexpr int kSegment = 64;
 
 // One compare-exchange stage of the network (block `size`, partner distance `stride` <= 32)
