@@ -68,19 +68,6 @@ DSV4_HD size_t RegionBytes(int64_t i, int64_t j) {
   return most > mma ? most : mma;
 }
 
-// The shared memory a block of this device may opt in to (queried once per process).
-int64_t OptInSharedBytes() {
-  static const int64_t bytes = [] {
-    int device = 0, value = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-      return int64_t{48 * 1024};
-    }
-    return static_cast<int64_t>(value);
-  }();
-  return bytes;
-}
-
 // Static shared memory of the fused kernel (histogram, counters, a tile's stored rows; 2.3 KB
 // on SM90) and slack.
 constexpr int64_t kStaticSharedBytes = 4 * 1024;

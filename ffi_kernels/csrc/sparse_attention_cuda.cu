@@ -556,6 +556,17 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
       make_uint2(PackBf16(acc.x / denom, acc.y / denom), PackBf16(acc.z / denom, acc.w / denom));
 }
 
+// The dynamic shared memory the tensor-core kernel may use on this device: its largest need
+// (head dim 512, bf16 rows) where the device allows it beside the kernel's static arrays (~1.3
+// KB), else what it allows; arguments needing more go to the scalar kernel (so on SM120, 99 KB
+// a block, the FLASH dims do: untested there).
+constexpr int64_t kTcStaticBytes = 4 * 1024;
+int64_t TensorCoreSharedLimit() {
+  static const int64_t limit = std::min<int64_t>(TensorCoreSharedBytes(kMaxHeadDim, 2 * kMaxHeadDim + 16),
+                                                 OptInSharedBytes() - kTcStaticBytes);
+  return limit;
+}
+
 // Whether the tensor-core kernel serves these arguments (else the scalar kernel does).
 bool TensorCoreServes(const AttentionArgs& a) {
   if (a.q_type != Elem::kBf16 || a.h % 32 != 0 || a.h > kMaxHeadDim) return false;
@@ -566,14 +577,14 @@ bool TensorCoreServes(const AttentionArgs& a) {
     if (t->scales_width > kMaxScales) return false;
     if (t->rope_width != 0 && (t->rope_type != Elem::kBf16 || t->rope_width % 8 != 0)) return false;
   }
-  return true;
+  return TensorCoreSharedBytes(a.h, StageStride(a.ring, a.fresh, a.comp)) <= TensorCoreSharedLimit();
 }
 
 ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const void* q, const int32_t* window_idx,
                             const int32_t* comp_idx, const float* sink, void* out, float* split_o, float* split_ml,
                             float scale) {
-  // Once per process: allow the largest tile set (head dim 512, bf16 rows) above the 48 KB default.
-  const int most = static_cast<int>(TensorCoreSharedBytes(kMaxHeadDim, 2 * kMaxHeadDim + 16));
+  // Once per process: allow the kernel's shared memory above the 48 KB default.
+  const int most = static_cast<int>(TensorCoreSharedLimit());
   static const cudaError_t attr[3] = {
       cudaFuncSetAttribute(TensorCoreAttentionKernel<0, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, most),
       cudaFuncSetAttribute(TensorCoreAttentionKernel<kMaxHeadDim, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
