@@ -527,9 +527,9 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
                         int64_t h_n) {
   extern __shared__ float combine_s[];  // [kCombineWarps][splits] weights
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t quarters = (h_n + kCombineColumns - 1) / kCombineColumns;
+  const int64_t column_blocks = (h_n + kCombineColumns - 1) / kCombineColumns;
   const int64_t unit = static_cast<int64_t>(blockIdx.x) * kCombineWarps + warp;
-  const int64_t row = unit / quarters, k = unit % quarters * kCombineColumns + 4 * lane;  // row: t * N + head
+  const int64_t row = unit / column_blocks, k = unit % column_blocks * kCombineColumns + 4 * lane;  // row: t * N + head
   if (row >= tn) return;
   const float2* ml = reinterpret_cast<const float2*>(split_ml);  // part p of this row: ml[p * tn + row]
   float* weight = combine_s + warp * splits;
