@@ -10,9 +10,11 @@
 // each compute its S over half of the head dim and add the other's half from shared memory, so
 // both hold the whole S (a + b == b + a) without either computing all of it.
 // Softmax online with the sink as the starting max (m = sink, l = 1), in base 2.
-// Pipelined: while tile n is computed, tile n + 1's stored bytes are on their way into a
-// staging buffer (cp.async, no registers held) and its scales into registers, and the slot
-// indices of tile n + 2 are loaded; the decode then runs from shared memory.
+// Pipelined over two decoded-tile buffers: while tile n is computed from one, the warps done
+// with it decode tile n + 1 into the other (one block barrier a tile with the FLASH FP8 layout,
+// where each thread decodes the bytes it copied itself), tile n + 2's stored bytes are on their
+// way into a staging buffer (cp.async, no registers held) and its scales into registers, and
+// tile n + 3's slots are resolved from indices loaded a tile earlier.
 // Few queries (decode) would leave most SMs idle, so the caller may split each query's slots
 // into S parts (grid z): each block then writes its unnormalised output, max and denominator
 // to the split scratch (only part 0 counts the sink) and CombineSplitsKernel merges them.
@@ -164,12 +166,13 @@ int64_t StageStride(const TableView& ring, const TableView& fresh, const TableVi
 
 constexpr int kTcWarps = kTcThreads / 32;
 constexpr int kScoreBlocks = kTile / 8;  // 8-row blocks of a tile: a warp's S fragments
+constexpr int kSlotBuffers = 4;          // tiles whose slots are live at once (the kernel's pipeline)
 
-// Shared memory: q [64][h + pad] and one decoded tile [32][h + pad] in bf16, the staged raw
+// Shared memory: q [64][h + pad] and two decoded tiles [2][32][h + pad] in bf16, the staged raw
 // tile [32][stage] and its scale bytes [32][16], then each warp's half-dim S fragments
 // [8 warps][4 blocks][32 lanes] float4.
 int64_t TensorCoreSharedBytes(int64_t h, int64_t stage) {
-  return (kTcHeads + kTile) * (h + kPad) * 2 + kTile * stage + kTile * kMaxScales +
+  return (kTcHeads + 2 * kTile) * (h + kPad) * 2 + kTile * stage + kTile * kMaxScales +
          kTcWarps * kScoreBlocks * 32 * sizeof(float4);
 }
 
@@ -231,9 +234,7 @@ __device__ __forceinline__ void StageTile(const Slot* slots, const TableView* vi
 namespace flash_fp8 {
 constexpr int kValues = 448, kBlock = 64, kScales = 7, kRope = 64, kHead = 512;
 constexpr int kBytes = kValues + 2 * kRope;  // a staged row
-constexpr int kUnits = kBytes / 16;          // its 16-byte copies
-constexpr int kChunks = kHead / 8;           // its decoded 16-byte chunks
-constexpr int kScaleStride = 8;              // staged scale bytes per row
+constexpr int kRopeUnits = 2 * kRope / 16;   // its rope's 16-byte copies
 }  // namespace flash_fp8
 
 bool IsFlashFp8(const TableView& t) {
@@ -242,51 +243,56 @@ bool IsFlashFp8(const TableView& t) {
                          t.block == kBlock && t.rope_type == Elem::kBf16 && t.rope_width == kRope);
 }
 
-// StageTile for the FLASH FP8 layout: 16-byte copies of the stored rows, and thread r * 7 + c
-// (< 224) loads scale byte c of row r into `scale`.
+// StageTile and the decode for the FLASH FP8 layout, each thread on bytes of its own, so that a
+// tile needs no block barrier between its copies landing and its decode: thread g < 224 takes
+// scale block g % 7 of row g / 7 (64 e4m3 bytes in four 16-byte copies, its scale byte into
+// `scale`) and every thread the 16-byte rope unit t % 8 of row t / 8 (constant offsets: no
+// per-chunk table lookups, divisions or format branches).
 __device__ __forceinline__ void StageFlashFp8Tile(const Slot* slots, const TableView* views, unsigned char* stage,
                                                   uint8_t& scale) {
   using namespace flash_fp8;
-  for (int e = threadIdx.x; e < kTile * kUnits; e += kTcThreads) {
-    const int r = e / kUnits, u = e % kUnits;
-    const Slot slot = slots[r];
-    if (slot.table < 0) continue;
-    const TableView& v = views[slot.table];
-    const unsigned char* src =
-        u < kValues / 16 ? static_cast<const unsigned char*>(v.values) + slot.row * kValues + 16 * u
-                         : static_cast<const unsigned char*>(v.rope) + slot.row * (2 * kRope) + (16 * u - kValues);
-    CopyAsync16(stage + r * kBytes + 16 * u, src);
-  }
   scale = 127;
   if (threadIdx.x < kTile * kScales) {
-    const int r = threadIdx.x / kScales, c = threadIdx.x % kScales;
+    const int r = threadIdx.x / kScales, b = threadIdx.x % kScales;
     const Slot slot = slots[r];
-    if (slot.table >= 0) scale = views[slot.table].scales[slot.row * kScales + c];
+    if (slot.table >= 0) {
+      const TableView& v = views[slot.table];
+      const unsigned char* src = static_cast<const unsigned char*>(v.values) + slot.row * kValues + kBlock * b;
+#pragma unroll
+      for (int k = 0; k < kBlock / 16; ++k) CopyAsync16(stage + r * kBytes + kBlock * b + 16 * k, src + 16 * k);
+      scale = v.scales[slot.row * kScales + b];
+    }
+  }
+  const int r = threadIdx.x / kRopeUnits, u = threadIdx.x % kRopeUnits;
+  const Slot slot = slots[r];
+  if (slot.table >= 0) {
+    CopyAsync16(stage + r * kBytes + kValues + 16 * u,
+                static_cast<const unsigned char*>(views[slot.table].rope) + slot.row * (2 * kRope) + 16 * u);
   }
 }
 
-// The decode of a staged FLASH FP8 tile into kv_s: thread t takes chunk t % 64 (a fixed column
-// range, so a fixed branch and scale column) of rows t / 64, + 4, ...
-__device__ __forceinline__ void DecodeFlashFp8Tile(const Slot* tile, const unsigned char* stage,
-                                                   const uint8_t* scales_s, uint16_t* kv_s, int ld) {
+// The decode of this thread's part of a staged FLASH FP8 tile (StageFlashFp8Tile's) into kv.
+__device__ __forceinline__ void DecodeFlashFp8Tile(const Slot* tile, const unsigned char* stage, uint8_t scale_byte,
+                                                   uint16_t* kv, int ld) {
   using namespace flash_fp8;
-  constexpr int kRowsPerPass = kTcThreads / kChunks;
-  const int c = threadIdx.x % kChunks, r0 = threadIdx.x / kChunks;
+  static_assert(kTile * kRopeUnits == kTcThreads, "one rope unit a thread");
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  if (threadIdx.x < kTile * kScales) {
+    const int r = threadIdx.x / kScales, b = threadIdx.x % kScales;
+    uint4* dst = reinterpret_cast<uint4*>(kv + r * ld + kBlock * b);
+    const uint4* src = reinterpret_cast<const uint4*>(stage + r * kBytes + kBlock * b);
+    const bool valid = tile[r].table >= 0;
+    const float scale = E8m0ToFloat(scale_byte);
 #pragma unroll
-  for (int u = 0; u < kTile / kRowsPerPass; ++u) {
-    const int r = r0 + kRowsPerPass * u;
-    uint4 decoded = make_uint4(0, 0, 0, 0);
-    if (tile[r].table >= 0) {
-      const unsigned char* row = stage + r * kBytes;
-      if (c < kValues / 8) {
-        const float scale = E8m0ToFloat(scales_s[r * kScaleStride + c / (kBlock / 8)]);
-        decoded = E4m3EightToBf16(*reinterpret_cast<const uint2*>(row + 8 * c), scale);
-      } else {
-        decoded = *reinterpret_cast<const uint4*>(row + kValues + 16 * (c - kValues / 8));
-      }
+    for (int k = 0; k < kBlock / 16; ++k) {
+      const uint4 w = valid ? src[k] : zero;
+      dst[2 * k] = valid ? E4m3EightToBf16(make_uint2(w.x, w.y), scale) : zero;
+      dst[2 * k + 1] = valid ? E4m3EightToBf16(make_uint2(w.z, w.w), scale) : zero;
     }
-    *reinterpret_cast<uint4*>(kv_s + r * ld + 8 * c) = decoded;
   }
+  const int r = threadIdx.x / kRopeUnits, u = threadIdx.x % kRopeUnits;
+  *reinterpret_cast<uint4*>(kv + r * ld + kValues + 8 * u) =
+      tile[r].table >= 0 ? *reinterpret_cast<const uint4*>(stage + r * kBytes + kValues + 16 * u) : zero;
 }
 
 // kFixedH: the head dim as a compile-time constant (512, the model's), so that the loops over
@@ -300,14 +306,16 @@ __global__ void __launch_bounds__(kTcThreads)
                               float* split_ml) {
   const int h_n = kFixedH ? kFixedH : static_cast<int>(h_arg);
   extern __shared__ __align__(16) uint16_t smem[];
-  __shared__ Slot slots[2][kTile];
+  // Tile n's slots are slots[n % 4]: resolved in iteration n - 3, staged in n - 2, decoded in
+  // n - 1, its mask in n.
+  __shared__ Slot slots[kSlotBuffers][kTile];
   __shared__ TableView views[3];
   const int ld = h_n + kPad;
-  uint16_t* q_s = smem;                   // [kTcHeads][ld]
-  uint16_t* kv_s = smem + kTcHeads * ld;  // [kTile][ld]
-  unsigned char* stage = reinterpret_cast<unsigned char*>(kv_s + kTile * ld);  // [kTile][stage_ld]
-  uint8_t* scales_s = stage + kTile * stage_ld;                                 // [kTile][kMaxScales]
-  float4* half_s = reinterpret_cast<float4*>(scales_s + kTile * kMaxScales);    // [warp][block][lane]
+  uint16_t* q_s = smem;                       // [kTcHeads][ld]
+  uint16_t* kv_s = smem + kTcHeads * ld;      // [2][kTile][ld]: tile n in kv_s[n % 2]
+  unsigned char* stage = reinterpret_cast<unsigned char*>(kv_s + 2 * kTile * ld);  // [kTile][stage_ld]
+  uint8_t* scales_s = stage + kTile * stage_ld;                                     // [kTile][kMaxScales]
+  float4* half_s = reinterpret_cast<float4*>(scales_s + kTile * kMaxScales);        // [warp][block][lane]
   const int64_t t = blockIdx.x, head0 = static_cast<int64_t>(blockIdx.y) * kTcHeads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = warp % 4, half = warp / 4, g = lane / 4, c = lane % 4;
@@ -327,24 +335,59 @@ __global__ void __launch_bounds__(kTcThreads)
       *reinterpret_cast<uint4*>(q_s + r * ld + k) = make_uint4(0, 0, 0, 0);
     }
   }
-  // Pipeline: the slots of tile n + 1 are resolved from indices loaded during tile n - 1, and
-  // tile n + 1's bytes are copied (cp.async) and its scales loaded while tile n is computed.
-  int32_t next_index = -1;  // thread r < kTile: the stored index of row r of the next tile
+  static_assert(!kFlashFp8 || kFixedH == flash_fp8::kHead, "the FLASH FP8 layout decodes to 512 values");
+  uint8_t scale_regs[kScaleLoads];  // this thread's scale bytes of the tile being staged
+  // Stages the bytes of the tile of slots `tile` (cp.async) and loads this thread's scale bytes of it.
+  auto stage_tile = [&](const Slot* tile) {
+    if constexpr (kFlashFp8) {
+      StageFlashFp8Tile(tile, views, stage, scale_regs[0]);
+    } else {
+      StageTile(tile, views, stage, stage_ld, scale_regs);
+    }
+  };
+  // Decodes the staged tile (slots `tile`) into `kv`, once this thread's copies have landed.
+  // FLASH FP8: each thread decodes its own copies, so no barrier; otherwise the staged bytes
+  // and scales are shared, so a barrier before the decode and one after it (the staging free).
+  auto decode_tile = [&](const Slot* tile, uint16_t* kv) {
+    CopyAsyncCommitAndWaitAll();
+    if constexpr (kFlashFp8) {
+      DecodeFlashFp8Tile(tile, stage, scale_regs[0], kv, ld);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kScaleLoads; ++i) scales_s[threadIdx.x + i * kTcThreads] = scale_regs[i];
+      __syncthreads();
+      for (int e = threadIdx.x; e < kTile * chunks; e += kTcThreads) {
+        const int r = e / chunks, k = 8 * (e % chunks);
+        uint4 decoded = make_uint4(0, 0, 0, 0);
+        if (tile[r].table >= 0) {
+          const TableView& v = views[tile[r].table];
+          const unsigned char* row = stage + r * stage_ld;
+          decoded = DecodeEight(v, k, RawEightOfRow(v, row, row + RopeOffset(v), scales_s + r * kMaxScales, k));
+        }
+        *reinterpret_cast<uint4*>(kv + r * ld + k) = decoded;
+      }
+      __syncthreads();
+    }
+  };
+  // Pipeline: while tile n is computed from kv_s[n % 2], tile n + 1 is decoded into the other
+  // buffer by whichever warps are done with tile n (one block barrier a tile), tile n + 2's
+  // bytes are on their way (cp.async, no registers held) and tile n + 3's slots resolved.
+  int32_t next_index = -1;  // thread r < kTile: the stored index of row r of tile n + 4
   __syncthreads();          // views staged
   if (threadIdx.x < kTile) {
-    const int64_t j = first + threadIdx.x;
-    slots[0][threadIdx.x] = SlotOf(j, SlotIndex(j, end, w_n, w_idx, x_idx), w_n, views[0].rows, views[1].rows,
-                                   views[2].rows);
-    next_index = SlotIndex(j + kTile, end, w_n, w_idx, x_idx);
+#pragma unroll
+    for (int d = 0; d < kSlotBuffers - 1; ++d) {
+      const int64_t j = first + d * kTile + threadIdx.x;
+      slots[d][threadIdx.x] = SlotOf(j, SlotIndex(j, end, w_n, w_idx, x_idx), w_n, views[0].rows, views[1].rows,
+                                     views[2].rows);
+    }
+    next_index = SlotIndex(first + (kSlotBuffers - 1) * kTile + threadIdx.x, end, w_n, w_idx, x_idx);
   }
-  __syncthreads();
-  static_assert(!kFlashFp8 || kFixedH == flash_fp8::kHead, "the FLASH FP8 layout decodes to 512 values");
-  uint8_t scale_regs[kScaleLoads];  // this thread's scale bytes of the next tile
-  if constexpr (kFlashFp8) {
-    StageFlashFp8Tile(slots[0], views, stage, scale_regs[0]);
-  } else {
-    StageTile(slots[0], views, stage, stage_ld, scale_regs);
-  }
+  __syncthreads();  // tiles 0 .. 2 resolved
+  stage_tile(slots[0]);
+  decode_tile(slots[0], kv_s);
+  if (first + kTile < end) stage_tile(slots[1]);
+  __syncthreads();  // tile 0 decoded, q landed
 
   const int64_t head_lo = head0 + group * 16 + g, head_hi = head_lo + 8;
   const bool with_sink = blockIdx.z == 0;  // split parts after the first start empty
@@ -356,47 +399,10 @@ __global__ void __launch_bounds__(kTcThreads)
 #pragma unroll
   for (int b = 0; b < kMaxOutBlocks; ++b) o[b][0] = o[b][1] = o[b][2] = o[b][3] = 0.0f;
 
-  int buf = 0;
-  for (int64_t base = first; base < end; base += kTile, buf ^= 1) {
-    CopyAsyncCommitAndWaitAll();  // this thread's copies of the tile have landed
-    if constexpr (kFlashFp8) {
-      constexpr int kScales = flash_fp8::kScales;
-      if (threadIdx.x < kTile * kScales) {
-        scales_s[threadIdx.x / kScales * flash_fp8::kScaleStride + threadIdx.x % kScales] = scale_regs[0];
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kScaleLoads; ++i) scales_s[threadIdx.x + i * kTcThreads] = scale_regs[i];
-    }
-    __syncthreads();  // the staged tile is visible; every warp is done with the previous tile
-    const Slot* tile = slots[buf];
-    if constexpr (kFlashFp8) {
-      DecodeFlashFp8Tile(tile, stage, scales_s, kv_s, ld);
-    } else {
-      for (int e = threadIdx.x; e < kTile * chunks; e += kTcThreads) {
-        const int r = e / chunks, k = 8 * (e % chunks);
-        uint4 decoded = make_uint4(0, 0, 0, 0);
-        if (tile[r].table >= 0) {
-          const TableView& v = views[tile[r].table];
-          const unsigned char* row = stage + r * stage_ld;
-          decoded = DecodeEight(v, k, RawEightOfRow(v, row, row + RopeOffset(v), scales_s + r * kMaxScales, k));
-        }
-        *reinterpret_cast<uint4*>(kv_s + r * ld + k) = decoded;
-      }
-    }
-    if (threadIdx.x < kTile) {
-      const int64_t j = base + kTile + threadIdx.x;
-      slots[buf ^ 1][threadIdx.x] = SlotOf(j, next_index, w_n, views[0].rows, views[1].rows, views[2].rows);
-      next_index = SlotIndex(j + kTile, end, w_n, w_idx, x_idx);
-    }
-    __syncthreads();  // the tile is decoded, the staging free, the next tile's slots resolved
-    if (base + kTile < end) {
-      if constexpr (kFlashFp8) {
-        StageFlashFp8Tile(slots[buf ^ 1], views, stage, scale_regs[0]);
-      } else {
-        StageTile(slots[buf ^ 1], views, stage, stage_ld, scale_regs);
-      }
-    }
+  int n = 0;
+  for (int64_t base = first; base < end; base += kTile, ++n) {
+    const Slot* tile = slots[n % kSlotBuffers];
+    const uint16_t* kv = kv_s + (n % 2) * kTile * ld;
 
     // S = Q K^T: this group's 16 heads x the tile's rows, this warp over its half of the head
     // dim; then the group's other warp's half added (a pair barrier: warps w and w + 4).
@@ -412,7 +418,7 @@ __global__ void __launch_bounds__(kTcThreads)
       for (int b = 0; b < kScoreBlocks; b += 2) {
         uint32_t kb[4];
         const int m = lane / 8;
-        LdMatrixX4(kb, kv_s + (b * 8 + (m / 2) * 8 + lane % 8) * ld + k0 + (m % 2) * 8);
+        LdMatrixX4(kb, kv + (b * 8 + (m / 2) * 8 + lane % 8) * ld + k0 + (m % 2) * 8);
         Mma(sc[b], a, kb[0], kb[1]);
         Mma(sc[b + 1], a, kb[2], kb[3]);
       }
@@ -472,12 +478,26 @@ __global__ void __launch_bounds__(kTcThreads)
         if (b < out_blocks) {
           uint32_t vb[4];
           const int m = lane / 8;
-          LdMatrixX4Trans(vb, kv_s + (ks * 16 + (m % 2) * 8 + lane % 8) * ld + col0 + b * 8 + (m / 2) * 8);
+          LdMatrixX4Trans(vb, kv + (ks * 16 + (m % 2) * 8 + lane % 8) * ld + col0 + b * 8 + (m / 2) * 8);
           Mma(o[b], a, vb[0], vb[1]);
           Mma(o[b + 1], a, vb[2], vb[3]);
         }
       }
     }
+
+    // Tile n + 1 into the other buffer (every warp finished tile n - 1 there: the last barrier),
+    // tile n + 2's copies, tile n + 3's slots (buffer n - 1's: its mask was last iteration's).
+    if (base + kTile < end) {
+      decode_tile(slots[(n + 1) % kSlotBuffers], kv_s + ((n + 1) % 2) * kTile * ld);
+      if (base + 2 * kTile < end) stage_tile(slots[(n + 2) % kSlotBuffers]);
+    }
+    if (threadIdx.x < kTile) {
+      const int64_t j = base + (kSlotBuffers - 1) * kTile + threadIdx.x;
+      slots[(n + kSlotBuffers - 1) % kSlotBuffers][threadIdx.x] =
+          SlotOf(j, next_index, w_n, views[0].rows, views[1].rows, views[2].rows);
+      next_index = SlotIndex(j + kTile, end, w_n, w_idx, x_idx);
+    }
+    __syncthreads();  // tile n + 1 decoded, tile n + 3's slots resolved, every warp done with tile n
   }
   CopyAsyncCommitAndWaitAll();  // nothing may be in flight at exit (an empty part staged nothing)
 
