@@ -285,6 +285,13 @@ def test_indexer_topk_paged_matches_the_reference(fmt, dtype, topk):
     assert (np.asarray(got)[0] == -1).all()
 
 
+def _indexer_mode(monkeypatch, mode: str) -> None:
+    """Makes the handler score through a [T, S] scratch ("scored") or keep each score row on chip
+    ("fused"), whatever the shapes would pick."""
+    monkeypatch.setattr(ffi_kernels, "indexer_scratch_columns",
+                        lambda platform, t, s, i, j: s if mode == "scored" else 0)
+
+
 @pytest.mark.parametrize("mode", ["fused", "scored"])
 @pytest.mark.parametrize("fmt", [EntryFormat.INDEX_FP8, EntryFormat.INDEX_FP4])
 @pytest.mark.parametrize("topk", [16, 100])
@@ -295,8 +302,7 @@ def test_indexer_topk_fused_and_scored_modes_match_the_reference(monkeypatch, mo
     # limit). 160 candidates are three 64-candidate tiles, the last one partial; repeated pages
     # give equal scores, so the selection must break ties by candidate. FP4 keys of dim 128
     # are the model's layout, which the CUDA tensor-core scorer reads on a path of its own.
-    monkeypatch.setattr(ffi_kernels, "indexer_scratch_columns",
-                        lambda platform, t, s, i, j: s if mode == "scored" else 0)
+    _indexer_mode(monkeypatch, mode)
     rng = np.random.default_rng(topk)
     t, pages, epp = 5, 10, 16
     j = 128 if fmt is EntryFormat.INDEX_FP4 else 64
@@ -317,8 +323,7 @@ def test_indexer_topk_keeps_up_to_2048_of_thousands_with_ties(monkeypatch, mode,
     # Up to the most the CUDA kernel keeps (2048), from visible counts on both sides of it (and
     # none, and fewer than topk) in one call; 48 pages drawn from 12 make every score appear
     # several times, so ties at the radix threshold are split by candidate.
-    monkeypatch.setattr(ffi_kernels, "indexer_scratch_columns",
-                        lambda platform, t, s, i, j: s if mode == "scored" else 0)
+    _indexer_mode(monkeypatch, mode)
     rng = np.random.default_rng(topk)
     t, pages, epp = 5, 48, 64
     keys = _table(rng, EntryFormat.INDEX_FP4, 12 * epp, 128, 0, jnp.bfloat16)
@@ -328,6 +333,27 @@ def test_indexer_topk_keeps_up_to_2048_of_thousands_with_ties(monkeypatch, mode,
     limit = jnp.asarray([2048, 2049, 3071, 0, 1000], jnp.int32)
     want = indexer_ref.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
     got = indexer_ffi.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("mode", ["fused", "scored"])
+@pytest.mark.parametrize("key_scale, mixed", [(4.0, True), (1e30, False)])
+def test_indexer_topk_fp4_keys_with_large_scales(monkeypatch, mode, key_scale, mixed):
+    # The CUDA decode of the model's FP4 keys scales in one bf16 multiply while 2^(s - 1) is a
+    # bf16 (E8M0 byte s <= 128) and in two above: keys scaled to both sides of that bound (and
+    # mixed within a tile) must give the reference's ids.
+    _indexer_mode(monkeypatch, mode)
+    rng = np.random.default_rng(9)
+    t, pages, epp = 3, 4, 32
+    keys = _table(rng, EntryFormat.INDEX_FP4, pages * epp, 128, 0, jnp.bfloat16, scale=key_scale)
+    scale_bytes = np.asarray(keys.arrays[1])
+    assert (scale_bytes > 128).any() and (scale_bytes <= 128).any() == mixed
+    q = jnp.asarray(rng.normal(size=(t, 4, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(t, 4)), jnp.float32)
+    page_table = jnp.asarray(np.stack([rng.permutation(pages) for _ in range(t)]), jnp.int32)
+    limit = jnp.asarray([pages * epp, 100, 40], jnp.int32)
+    want = indexer_ref.indexer_topk_paged(q, w, keys, page_table, epp, limit, 32)
+    got = indexer_ffi.indexer_topk_paged(q, w, keys, page_table, epp, limit, 32)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

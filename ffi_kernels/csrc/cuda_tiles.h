@@ -105,32 +105,61 @@ __device__ __forceinline__ uint4 E4m3EightToBf16(uint2 bits, float scale) {
                     PackBf16(c.x * scale, c.y * scale), PackBf16(d.x * scale, d.y * scale));
 }
 
-// Eight e2m1 codes (nibbles, the lowest first) times a power-of-two scale -> eight bf16, exactly.
-// A code's bits (e1 e0 m) placed at a float's bits 24..22, its sign at 31, make the value times
-// 2^-126 (a subnormal when e1 e0 = 0; kept, as nothing here flushes denormals), so two exact
-// multiplies give value x scale, with no per-code branches or table.
-__device__ __forceinline__ uint4 E2m1EightToBf16(uint32_t codes, float scale) {
-  float v[8];
+// d = a * b, two bf16 at once (an fma with -0 added, so that every product keeps its sign and
+// is rounded once; subnormal inputs and results are kept: bf16 arithmetic has no flush mode).
+__device__ __forceinline__ uint32_t Bf16x2Mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+// The bf16x2 multipliers that turn an e2m1 code placed in a bf16's bits (E2m1EightToBf16: the
+// code's value times 2^-126) into value x 2^(s - 127), for E8M0 byte s: 2^(s - 1) in one
+// multiply where that is a bf16 (s <= 128), else 2^126 and then the scale (NaN for s = 255).
+struct E2m1Scale {
+  uint32_t first, second;  // second = 0: one multiply
+};
+
+__device__ __forceinline__ E2m1Scale E2m1ScaleOf(uint8_t s) {
+  if (s <= 128) return {((s + 126u) << 7) * 0x00010001u, 0u};
+  return {(253u << 7) * 0x00010001u, (s == 255 ? 0x7fc0u : static_cast<uint32_t>(s) << 7) * 0x00010001u};
+}
+
+// Eight e2m1 codes (nibbles, the lowest first) times their power-of-two scale -> eight bf16,
+// exactly (a value of two significant bits scaled by a power of two). A nibble's sign goes to a
+// bf16's sign bit and its e1 e0 m bits to bits 8..6 (the exponent's low bits and the top
+// mantissa bit), which makes the code's value times 2^-126 (a subnormal for e1 e0 = 0); the
+// scale's multiplies then give the product. Integer ops on two codes at a time, no table.
+__device__ __forceinline__ uint4 E2m1EightToBf16(uint32_t codes, const E2m1Scale& scale) {
+  // pairs[i]: nibble i in the low half, nibble i + 4 in the high half (a shift by 12 - 4i puts
+  // them at bits 12..15 and 28..31, whence the masks move them into place).
+  uint32_t pairs[4];
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    const uint32_t c = codes >> (4 * e);
-    v[e] = __uint_as_float(((c & 7u) << 22) | ((c & 8u) << 28)) * 0x1p126f * scale;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t x = codes << (12 - 4 * i);
+    pairs[i] = (x & 0x80008000u) | ((x & 0x70007000u) >> 6);
   }
-  return make_uint4(PackBf16(v[0], v[1]), PackBf16(v[2], v[3]), PackBf16(v[4], v[5]), PackBf16(v[6], v[7]));
+  // In order: codes 0 1 (the low halves of pairs 0 and 1), 2 3, 4 5 (their high halves), 6 7.
+  uint32_t out[4] = {__byte_perm(pairs[0], pairs[1], 0x5410), __byte_perm(pairs[2], pairs[3], 0x5410),
+                     __byte_perm(pairs[0], pairs[1], 0x7632), __byte_perm(pairs[2], pairs[3], 0x7632)};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[i] = Bf16x2Mul(out[i], scale.first);
+    if (scale.second) out[i] = Bf16x2Mul(out[i], scale.second);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
 __device__ __forceinline__ uint4 DecodeEight(const TableView& t, int64_t k0, const RawEight& r) {
   const Elem type = k0 < t.values_width ? t.values_type : Elem::kBf16;
   if (type == Elem::kBf16 && r.scale == 127) return r.bits;  // bf16 as stored
+  if (type == Elem::kE2m1x2) return E2m1EightToBf16(r.bits.x, E2m1ScaleOf(r.scale));
   const float scale = E8m0ToFloat(r.scale);
   if (type == Elem::kE4m3) return E4m3EightToBf16(make_uint2(r.bits.x, r.bits.y), scale);
   const uint32_t words[4] = {r.bits.x, r.bits.y, r.bits.z, r.bits.w};
   float v[8];
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    v[e] = type == Elem::kE2m1x2 ? E2m1ToFloat((words[0] >> (4 * e)) & 0xfu)
-                                 : Bf16ToFloat(static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2))));
-  }
+  for (int e = 0; e < 8; ++e) v[e] = Bf16ToFloat(static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2))));
   return make_uint4(PackBf16(v[0] * scale, v[1] * scale), PackBf16(v[2] * scale, v[3] * scale),
                     PackBf16(v[4] * scale, v[5] * scale), PackBf16(v[6] * scale, v[7] * scale));
 }

@@ -95,13 +95,16 @@ __device__ __forceinline__ int64_t VisibleCandidates(const TableView& keys, cons
 
 // Scores of candidates [begin, end) of query t into row_scores[begin, end) on tensor cores (the
 // file comment). Warp w: head group w % 4 (heads 16 (w % 4) .. +16) and candidates
-// 32 (w / 4) .. +32 of the tile; its 16 heads' w_i relu(dot) are summed in registers (rows g,
-// g + 8, then across g by shuffles) and the four head groups' sums added in a fixed order.
+// 32 (w / 4) .. +32 of the tile, as S^T = K Q^T (candidates are the mma's rows, heads its
+// columns), so that a lane's accumulators hold 4 of the group's heads for each of its
+// candidates: their w_i relu(dot) are summed in registers, then over the 4 lanes of a row by
+// two shuffles, and the four head groups' sums are added in a fixed order.
 // Pipelined: the stored rows of tile n + 1 are resolved while tile n's keys are decoded, and
 // its keys loaded (into registers) before tile n's products run.
-// kIndexFp4: the keys are in the model's FP4 layout (ScorerFor): thread r * 4 + u loads
+// kIndexFp4: the keys are in the model's FP4 layout (ScorerFor): thread u * 64 + r loads
 // quarter u of row r (16 bytes: 32 codes, one scale block) and decodes it with constant
-// offsets; otherwise each thread loads and decodes four generic 8-value chunks.
+// offsets (a quarter-warp's 16-byte stores then fall in distinct banks); otherwise each
+// thread loads and decodes four generic 8-value chunks.
 template <bool kIndexFp4>
 __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& keys, const int32_t* page_table,
                           int64_t p_n, int64_t epp, int64_t t, int64_t begin, int64_t end, int64_t i_n, int64_t j_arg,
@@ -129,7 +132,13 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
     w_s[threadIdx.x] = threadIdx.x < i_n ? w[t * i_n + threadIdx.x] : 0.0f;
     rows_s[0][threadIdx.x] = s < end ? CandidateRow(pages, epp, s, keys.rows) : -1;
   }
-  __syncthreads();  // the first tile's rows resolved (q is still on its way)
+  __syncthreads();  // the first tile's rows and w resolved (q is still on its way)
+  float w_head[2][2];  // w of heads 8 n + 2c (+ 1) of this warp's group (the accumulators' columns)
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    w_head[n][0] = w_s[group * 16 + 8 * n + 2 * c];
+    w_head[n][1] = w_s[group * 16 + 8 * n + 2 * c + 1];
+  }
   constexpr int kFill = kMmaRows * (kMmaMaxDim / 8) / kThreads;  // 16-byte chunks per thread per tile
   RawEight raw[kFill];  // generic layout: this thread's chunks of the next tile
   uint4 codes;          // FP4 layout: this thread's quarter row of the next tile, and its scale
@@ -137,8 +146,8 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
   auto load_tile = [&](const int64_t* rows) {
     if constexpr (kIndexFp4) {
       static_assert(kMmaRows * index_fp4::kQuarters == kThreads, "one quarter row a thread");
-      const int quarter = threadIdx.x % index_fp4::kQuarters;
-      const int64_t row = rows[threadIdx.x / index_fp4::kQuarters];
+      const int quarter = threadIdx.x / kMmaRows;
+      const int64_t row = rows[threadIdx.x % kMmaRows];
       codes = make_uint4(0, 0, 0, 0);  // decodes to zeros
       codes_scale = 127;
       if (row >= 0) {
@@ -160,8 +169,8 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
   int buf = 0;
   for (int64_t base = begin; base < end; base += kMmaRows, buf ^= 1) {
     if constexpr (kIndexFp4) {
-      const float scale = E8m0ToFloat(codes_scale);
-      const int quarter_row = threadIdx.x / index_fp4::kQuarters, quarter = threadIdx.x % index_fp4::kQuarters;
+      const E2m1Scale scale = E2m1ScaleOf(codes_scale);
+      const int quarter_row = threadIdx.x % kMmaRows, quarter = threadIdx.x / kMmaRows;
       uint4* dst = reinterpret_cast<uint4*>(k_s + quarter_row * ld + index_fp4::kBlock * quarter);
       dst[0] = E2m1EightToBf16(codes.x, scale);
       dst[1] = E2m1EightToBf16(codes.y, scale);
@@ -183,29 +192,35 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
     }
     __syncthreads();  // the tile decoded, the next tile's rows resolved
     if (base + kMmaRows < end) load_tile(rows_s[buf ^ 1]);  // in flight during the products
-    float acc[4][4] = {};
+    // acc[m][n]: candidates 16 m + g (+ 8) of the warp's 32, heads 8 n + 2c (+ 1) of its group.
+    float acc[2][2][4] = {};
+    const int mat = lane / 8;  // the ldmatrix matrix this lane addresses
+    const uint16_t* q_rows = q_s + (group * 16 + (mat / 2) * 8 + lane % 8) * ld + (mat % 2) * 8;
+    const uint16_t* k_rows = k_s + (half * 32 + lane % 16) * ld + (lane / 16) * 8;
     for (int k0 = 0; k0 < j_n; k0 += 16) {
-      uint32_t a[4];
-      LdMatrixX4(a, q_s + (group * 16 + lane % 16) * ld + k0 + (lane / 16) * 8);
+      uint32_t qb[4];  // heads 0-7 of the group (k0.., k0 + 8..), then heads 8-15
+      LdMatrixX4(qb, q_rows + k0);
 #pragma unroll
-      for (int b = 0; b < 4; b += 2) {
-        uint32_t kb[4];
-        const int m = lane / 8;
-        LdMatrixX4(kb, k_s + (half * 32 + b * 8 + (m / 2) * 8 + lane % 8) * ld + k0 + (m % 2) * 8);
-        Mma(acc[b], a, kb[0], kb[1]);
-        Mma(acc[b + 1], a, kb[2], kb[3]);
+      for (int m = 0; m < 2; ++m) {
+        uint32_t ka[4];
+        LdMatrixX4(ka, k_rows + m * 16 * ld + k0);
+        Mma(acc[m][0], ka, qb[0], qb[1]);
+        Mma(acc[m][1], ka, qb[2], qb[3]);
       }
     }
-    const float w_lo = w_s[group * 16 + g], w_hi = w_s[group * 16 + g + 8];
 #pragma unroll
-    for (int b = 0; b < 4; ++b) {
+    for (int m = 0; m < 2; ++m) {
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        float v = w_lo * fmaxf(acc[b][i], 0.0f) + w_hi * fmaxf(acc[b][2 + i], 0.0f);
-        v += __shfl_xor_sync(0xffffffffu, v, 4);
-        v += __shfl_xor_sync(0xffffffffu, v, 8);
-        v += __shfl_xor_sync(0xffffffffu, v, 16);
-        if (g == 0) part[group * kMmaRows + half * 32 + b * 8 + 2 * c + i] = v;
+      for (int r = 0; r < 2; ++r) {  // candidate 16 m + g, then 16 m + g + 8
+        float v = 0.0f;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          v += w_head[n][0] * fmaxf(acc[m][n][2 * r], 0.0f);
+          v += w_head[n][1] * fmaxf(acc[m][n][2 * r + 1], 0.0f);
+        }
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        if (c == 0) part[group * kMmaRows + half * 32 + m * 16 + r * 8 + g] = v;
       }
     }
     __syncthreads();  // the partial sums written; every warp done with k_s
