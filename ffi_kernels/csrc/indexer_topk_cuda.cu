@@ -59,11 +59,12 @@ constexpr int kQuarters = kDim / kBlock;   // 16-byte quarters a row, one scale 
 }  // namespace index_fp4
 
 // Bytes of the region before the score row: the scoring inputs (q in f32 for the scalar
-// scorer; q and one key tile in bf16 plus the head groups' partial sums for the tensor-core
-// one), then the kept entries' 64-bit sort keys of the selection.
+// scorer; q and one key tile in bf16, q's space then being the second key buffer, plus two sets
+// of the head groups' partial sums for the tensor-core one), then the kept entries' 64-bit sort
+// keys of the selection.
 DSV4_HD size_t RegionBytes(int64_t i, int64_t j) {
   const size_t scalar = i * j * sizeof(float), sel = kMaxTopk * sizeof(uint64_t);
-  const size_t mma = j <= kMmaMaxDim ? 2 * kMmaRows * (j + kPad) * 2 + kMmaGroups * kMmaRows * sizeof(float) : 0;
+  const size_t mma = j <= kMmaMaxDim ? 2 * kMmaRows * (j + kPad) * 2 + 2 * kMmaGroups * kMmaRows * sizeof(float) : 0;
   const size_t most = scalar > sel ? scalar : sel;
   return most > mma ? most : mma;
 }
@@ -99,8 +100,10 @@ __device__ __forceinline__ int64_t VisibleCandidates(const TableView& keys, cons
 // columns), so that a lane's accumulators hold 4 of the group's heads for each of its
 // candidates: their w_i relu(dot) are summed in registers, then over the 4 lanes of a row by
 // two shuffles, and the four head groups' sums are added in a fixed order.
-// Pipelined: the stored rows of tile n + 1 are resolved while tile n's keys are decoded, and
-// its keys loaded (into registers) before tile n's products run.
+// q's fragments stay in registers for the whole loop, which frees q's shared memory for a
+// second key buffer: while tile n's products run from one buffer, its keys having been decoded
+// during tile n - 1, tile n + 1's keys (loaded into registers a tile ahead) are decoded into
+// the other, so one block barrier a tile suffices.
 // kIndexFp4: the keys are in the model's FP4 layout (ScorerFor): thread u * 64 + r loads
 // quarter u of row r (16 bytes: 32 codes, one scale block) and decodes it with constant
 // offsets (a quarter-warp's 16-byte stores then fall in distinct banks); otherwise each
@@ -113,9 +116,11 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
   __shared__ int64_t rows_s[2][kMmaRows];  // stored row of each candidate of the tile (-1 past the end)
   const int64_t j_n = kIndexFp4 ? index_fp4::kDim : j_arg;
   const int ld = static_cast<int>(j_n) + kPad;
-  uint16_t* q_s = reinterpret_cast<uint16_t*>(smem);        // [kMmaRows heads][ld]
-  uint16_t* k_s = q_s + kMmaRows * ld;                       // [kMmaRows candidates][ld]
-  float* part = reinterpret_cast<float*>(k_s + kMmaRows * ld);  // [kMmaGroups][kMmaRows candidates]
+  // q [kMmaRows heads][ld] until its fragments are in registers, then the second of the two key
+  // buffers [kMmaRows candidates][ld]; then the head groups' sums [2][kMmaGroups][kMmaRows].
+  uint16_t* q_s = reinterpret_cast<uint16_t*>(smem);
+  auto key_buffer = [&](int b) { return q_s + (1 - b) * kMmaRows * ld; };
+  float* part = reinterpret_cast<float*>(q_s + 2 * kMmaRows * ld);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = warp % kMmaGroups, half = warp / kMmaGroups;
   const int g = lane / 4, c = lane % 4, chunks = static_cast<int>(j_n / 8);
   const int32_t* pages = page_table + t * p_n;
@@ -164,69 +169,95 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
       }
     }
   };
-  load_tile(rows_s[0]);          // the first keys in flight together with q: one memory latency, not two
-  CopyAsyncCommitAndWaitAll();  // this thread's q copies landed (the loop's first barrier shows them to all)
-  int buf = 0;
-  for (int64_t base = begin; base < end; base += kMmaRows, buf ^= 1) {
+  // The decode of the loaded tile into `dst` (generic layout: zeros for empty slots, `rows`).
+  auto decode_tile = [&](uint16_t* dst, const int64_t* rows) {
     if constexpr (kIndexFp4) {
       const E2m1Scale scale = E2m1ScaleOf(codes_scale);
       const int quarter_row = threadIdx.x % kMmaRows, quarter = threadIdx.x / kMmaRows;
-      uint4* dst = reinterpret_cast<uint4*>(k_s + quarter_row * ld + index_fp4::kBlock * quarter);
-      dst[0] = E2m1EightToBf16(codes.x, scale);
-      dst[1] = E2m1EightToBf16(codes.y, scale);
-      dst[2] = E2m1EightToBf16(codes.z, scale);
-      dst[3] = E2m1EightToBf16(codes.w, scale);
+      uint4* out = reinterpret_cast<uint4*>(dst + quarter_row * ld + index_fp4::kBlock * quarter);
+      out[0] = E2m1EightToBf16(codes.x, scale);
+      out[1] = E2m1EightToBf16(codes.y, scale);
+      out[2] = E2m1EightToBf16(codes.z, scale);
+      out[3] = E2m1EightToBf16(codes.w, scale);
     } else {
 #pragma unroll
       for (int u = 0; u < kFill; ++u) {
         const int e = threadIdx.x + u * kThreads, r = e / chunks, k = 8 * (e % chunks);
         if (e < kMmaRows * chunks) {
-          *reinterpret_cast<uint4*>(k_s + r * ld + k) =
-              rows_s[buf][r] >= 0 ? DecodeEight(keys, k, raw[u]) : make_uint4(0, 0, 0, 0);
+          *reinterpret_cast<uint4*>(dst + r * ld + k) =
+              rows[r] >= 0 ? DecodeEight(keys, k, raw[u]) : make_uint4(0, 0, 0, 0);
         }
       }
     }
+  };
+  auto resolve_rows = [&](int64_t* rows, int64_t tile_begin) {
     if (threadIdx.x < kMmaRows) {
-      const int64_t s = base + kMmaRows + threadIdx.x;
-      rows_s[buf ^ 1][threadIdx.x] = s < end ? CandidateRow(pages, epp, s, keys.rows) : -1;
+      const int64_t s = tile_begin + threadIdx.x;
+      rows[threadIdx.x] = s < end ? CandidateRow(pages, epp, s, keys.rows) : -1;
     }
-    __syncthreads();  // the tile decoded, the next tile's rows resolved
-    if (base + kMmaRows < end) load_tile(rows_s[buf ^ 1]);  // in flight during the products
-    // acc[m][n]: candidates 16 m + g (+ 8) of the warp's 32, heads 8 n + 2c (+ 1) of its group.
-    float acc[2][2][4] = {};
+  };
+  load_tile(rows_s[0]);          // the first keys in flight together with q: one memory latency, not two
+  CopyAsyncCommitAndWaitAll();  // this thread's q copies landed
+  resolve_rows(rows_s[1], begin + kMmaRows);
+  __syncthreads();  // q in shared memory, the second tile's rows resolved
+  // q's B fragments for the whole loop: k-step kk, heads 0-7 of the group (k 16 kk.., 16 kk + 8..),
+  // then heads 8-15.
+  uint32_t qb[kMmaMaxDim / 16][4];
+  {
     const int mat = lane / 8;  // the ldmatrix matrix this lane addresses
     const uint16_t* q_rows = q_s + (group * 16 + (mat / 2) * 8 + lane % 8) * ld + (mat % 2) * 8;
-    const uint16_t* k_rows = k_s + (half * 32 + lane % 16) * ld + (lane / 16) * 8;
-    for (int k0 = 0; k0 < j_n; k0 += 16) {
-      uint32_t qb[4];  // heads 0-7 of the group (k0.., k0 + 8..), then heads 8-15
-      LdMatrixX4(qb, q_rows + k0);
 #pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        uint32_t ka[4];
-        LdMatrixX4(ka, k_rows + m * 16 * ld + k0);
-        Mma(acc[m][0], ka, qb[0], qb[1]);
-        Mma(acc[m][1], ka, qb[2], qb[3]);
+    for (int kk = 0; kk < kMmaMaxDim / 16; ++kk) {
+      if (16 * kk < j_n) LdMatrixX4(qb[kk], q_rows + 16 * kk);
+    }
+  }
+  decode_tile(key_buffer(0), rows_s[0]);
+  __syncthreads();  // the first tile decoded; q_s read by every warp (it becomes key buffer 1)
+  if (begin + kMmaRows < end) load_tile(rows_s[1]);
+  const int k_rows = (half * 32 + lane % 16) * ld + (lane / 16) * 8;  // this lane's ldmatrix row
+  // Tile n (n = 0, 1, ...): products from buffer n % 2 into part[n % 2]; tile n + 1 decoded into
+  // the other buffer and tile n + 2's rows resolved into rows_s[n % 2]; one barrier; tile n + 2's
+  // keys loaded (in flight during the next products) and tile n's scores summed.
+  for (int64_t base = begin, n = 0; base < end; base += kMmaRows, ++n) {
+    const int b = static_cast<int>(n % 2);
+    // acc[m][h]: candidates 16 m + g (+ 8) of the warp's 32, heads 8 h + 2c (+ 1) of its group.
+    float acc[2][2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kMmaMaxDim / 16; ++kk) {
+      if (16 * kk < j_n) {
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          uint32_t ka[4];
+          LdMatrixX4(ka, key_buffer(b) + k_rows + m * 16 * ld + 16 * kk);
+          Mma(acc[m][0], ka, qb[kk][0], qb[kk][1]);
+          Mma(acc[m][1], ka, qb[kk][2], qb[kk][3]);
+        }
       }
     }
+    float* part_b = part + b * kMmaGroups * kMmaRows;
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {  // candidate 16 m + g, then 16 m + g + 8
         float v = 0.0f;
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
-          v += w_head[n][0] * fmaxf(acc[m][n][2 * r], 0.0f);
-          v += w_head[n][1] * fmaxf(acc[m][n][2 * r + 1], 0.0f);
+        for (int h = 0; h < 2; ++h) {
+          v += w_head[h][0] * fmaxf(acc[m][h][2 * r], 0.0f);
+          v += w_head[h][1] * fmaxf(acc[m][h][2 * r + 1], 0.0f);
         }
         v += __shfl_xor_sync(0xffffffffu, v, 1);
         v += __shfl_xor_sync(0xffffffffu, v, 2);
-        if (c == 0) part[group * kMmaRows + half * 32 + m * 16 + r * 8 + g] = v;
+        if (c == 0) part_b[group * kMmaRows + half * 32 + m * 16 + r * 8 + g] = v;
       }
     }
-    __syncthreads();  // the partial sums written; every warp done with k_s
+    if (base + kMmaRows < end) decode_tile(key_buffer(b ^ 1), rows_s[b ^ 1]);
+    resolve_rows(rows_s[b], base + 2 * kMmaRows);
+    __syncthreads();  // tile n's sums written and buffer b read; tile n + 1 decoded; rows of n + 2
+    if (base + 2 * kMmaRows < end) load_tile(rows_s[b]);
     if (threadIdx.x < kMmaRows && base + threadIdx.x < end) {
       const int r = threadIdx.x;
-      row_scores[base + r] = ((part[r] + part[kMmaRows + r]) + part[2 * kMmaRows + r]) + part[3 * kMmaRows + r];
+      row_scores[base + r] =
+          ((part_b[r] + part_b[kMmaRows + r]) + part_b[2 * kMmaRows + r]) + part_b[3 * kMmaRows + r];
     }
   }
 }
@@ -275,13 +306,14 @@ __device__ void Scores(const void* q, Elem q_type, const float* w, const TableVi
 }
 
 // The scored mode's first kernel: block (t, y) scores candidates [y, y + 1) x per_block of
-// query t into its row of the [T, S] scratch. Capped at 64 registers a thread so that
-// kScoreBlocksPerSm blocks share a multiprocessor, as the grid assumes (at 79 registers three
-// did, and decode's 512 one-tile blocks at C32 ran as 1.3 waves on an H200; the shared memory,
-// ~37 KB a block, allows six).
-constexpr int kScoreBlocksPerSm = 4;
+// query t into its row of the [T, S] scratch. Its registers are capped so that
+// ScoreBlocksPerSm(kScorer) blocks share a multiprocessor, as the grid assumes (the shared
+// memory, ~38 KB a block, allows five): four for the scalar scorer (64 registers), three for
+// the FP4 one (80; it needs 72, q's fragments being held), two for the generic tensor-core one
+// (128; its next tile's raw chunks take 20 more).
+constexpr int ScoreBlocksPerSm(Scorer s) { return s == Scorer::kScalar ? 4 : s == Scorer::kMmaIndexFp4 ? 3 : 2; }
 template <Scorer kScorer>
-__global__ void __launch_bounds__(kThreads, kScoreBlocksPerSm)
+__global__ void __launch_bounds__(kThreads, ScoreBlocksPerSm(kScorer))
     IndexerScoreKernel(const void* q, Elem q_type, const float* w, TableView keys, const int32_t* page_table,
                        int64_t p_n, int64_t epp, const int32_t* limit, float* scores, int64_t i_n, int64_t j_n,
                        int64_t per_block) {
@@ -551,7 +583,7 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
     // Tiles per block: as few as keep the grid in one wave of resident blocks.
     auto* score = kScoreKernels[scorer];
     static const int64_t sms = std::max<int64_t>(Dsv4MultiprocessorCount(), 1);  // once per process
-    const int64_t slots = kScoreBlocksPerSm * sms, tiles = (a.s + kMmaRows - 1) / kMmaRows;
+    const int64_t slots = ScoreBlocksPerSm(static_cast<Scorer>(scorer)) * sms, tiles = (a.s + kMmaRows - 1) / kMmaRows;
     const int64_t per_block = kMmaRows * std::max<int64_t>(1, (a.t * tiles + slots - 1) / slots);
     const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.s + per_block - 1) / per_block));
     score<<<grid, kThreads, region, stream>>>(q.untyped_data(), a.q_type, w.typed_data(), a.keys,
