@@ -176,6 +176,25 @@ def test_bf16_attention_on_the_tensor_core_path_matches_the_reference(fmt, n, h,
            attn_ref.sparse_attention_paged(*args), dtype)
 
 
+@pytest.mark.parametrize("t", [3, 40])
+def test_attention_with_logits_over_many_octaves_matches_the_reference(t):
+    # q scaled so that the logits spread over tens of octaves: the online softmax's running max
+    # jumps from tile to tile (O and l rescaled by factors far from 1) and differs between the
+    # split parts that CUDA merges (t = 3).
+    rng = np.random.default_rng(40 + t)
+    n, h, rope = 64, 512, 64
+    ring = _table(rng, EntryFormat.KV_FP8, 50, h, rope, jnp.bfloat16)
+    fresh = EntryTable.from_values(jnp.asarray(rng.normal(size=(t, h)), jnp.bfloat16), like=ring)
+    window_idx = jnp.asarray(_window_idx(rng, t, 40, ring.rows, t))
+    comp = _table(rng, EntryFormat.KV_FP8, 90, h, rope, jnp.bfloat16)
+    comp_idx = jnp.asarray(_comp_idx(rng, t, 60, comp.rows))
+    q = jnp.asarray(8.0 * rng.normal(size=(t, n, h)), jnp.bfloat16)
+    sink = jnp.asarray(rng.normal(size=(n,)), jnp.float32)
+    args = (q, (ring, fresh), window_idx, comp, comp_idx, sink, h ** -0.5)
+    _close(jax.jit(attn_ffi.sparse_attention_paged, static_argnums=6)(*args),
+           attn_ref.sparse_attention_paged(*args), jnp.bfloat16)
+
+
 @pytest.mark.parametrize("ring_fmt, fresh_fmt, pool_fmt", [
     (EntryFormat.KV_FP8, EntryFormat.DENSE, EntryFormat.KV_FP8),  # FP8 ring and pool, bf16 fresh rows
     (EntryFormat.DENSE, EntryFormat.DENSE, EntryFormat.KV_FP8),   # bf16 window, FP8 pool
