@@ -138,11 +138,11 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
     rows_s[0][threadIdx.x] = s < end ? CandidateRow(pages, epp, s, keys.rows) : -1;
   }
   __syncthreads();  // the first tile's rows and w resolved (q is still on its way)
-  float w_head[2][2];  // w of heads 8 n + 2c (+ 1) of this warp's group (the accumulators' columns)
+  float w_head[2][2];  // w of heads 8 h + 2c (+ 1) of this warp's group (the accumulators' columns)
 #pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    w_head[n][0] = w_s[group * 16 + 8 * n + 2 * c];
-    w_head[n][1] = w_s[group * 16 + 8 * n + 2 * c + 1];
+  for (int h = 0; h < 2; ++h) {
+    w_head[h][0] = w_s[group * 16 + 8 * h + 2 * c];
+    w_head[h][1] = w_s[group * 16 + 8 * h + 2 * c + 1];
   }
   constexpr int kFill = kMmaRows * (kMmaMaxDim / 8) / kThreads;  // 16-byte chunks per thread per tile
   RawEight raw[kFill];  // generic layout: this thread's chunks of the next tile
