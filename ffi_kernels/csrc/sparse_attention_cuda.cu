@@ -16,12 +16,16 @@
 // way into a staging buffer (cp.async, no registers held) and its scales into registers, and
 // tile n + 3's slots are resolved from indices loaded a tile earlier.
 // Few queries (decode) would leave most SMs idle, so the caller may split each query's slots
-// into S parts (grid z): each block then writes its unnormalised output, max and denominator
-// to the split scratch (only part 0 counts the sink) and CombineSplitsKernel merges them.
+// into S parts (grid z; only part 0 counts the sink). Up to kMaxClusterParts parts run as one
+// thread-block cluster: each block leaves its unnormalised output, max and denominator in its
+// shared memory and the cluster's blocks merge them over distributed shared memory, each
+// writing a slice of the output (MergeClusterParts). More parts write them to the split
+// scratch and CombineSplitsKernel merges them.
 //
 // ScalarAttentionKernel (everything else: f32 inputs, odd widths): one warp per head, f32 FMA.
 #include <cuda_bf16.h>
 #include <algorithm>
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include "cuda_common.h"
@@ -167,6 +171,7 @@ int64_t StageStride(const TableView& ring, const TableView& fresh, const TableVi
 constexpr int kTcWarps = kTcThreads / 32;
 constexpr int kScoreBlocks = kTile / 8;  // 8-row blocks of a tile: a warp's S fragments
 constexpr int kSlotBuffers = 4;          // tiles whose slots are live at once (the kernel's pipeline)
+constexpr int kMaxClusterParts = 8;      // split parts merged on chip (the portable cluster size)
 
 // Shared memory: q [64][h + pad] and two decoded tiles [2][32][h + pad] in bf16, the staged raw
 // tile [32][stage] and its scale bytes [32][16], then each warp's half-dim S fragments
@@ -295,6 +300,40 @@ __device__ __forceinline__ void DecodeFlashFp8Tile(const Slot* tile, const unsig
       tile[r].table >= 0 ? *reinterpret_cast<const uint4*>(stage + r * kBytes + kValues + 16 * u) : zero;
 }
 
+// The on-chip merge of a cluster's split parts (the file comment): out = sum_s 2^(m_s - M) o_s /
+// sum_s 2^(m_s - M) l_s with M = max_s m_s, in CombineSplitsKernel's order. Each block has put
+// its part in its own shared memory (o_s: [kTcHeads][h + kPad] f32; ml_s: [kTcHeads] (m, l));
+// block s of the S writes the rows' float4 units s, s + S, ... of the block's heads, reading
+// every part's through the cluster. The cluster barriers make the parts visible before the
+// merge and keep every block's shared memory alive until its peers have read it.
+__device__ void MergeClusterParts(const float* o_s, const float2* ml_s, uint16_t* out, int64_t t, int64_t head0,
+                                  int64_t n_n, int h_n) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const int parts = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
+  const int units_per_row = h_n / 4, ld = h_n + kPad;
+  for (int u = rank * kTcThreads + threadIdx.x; u < kTcHeads * units_per_row; u += parts * kTcThreads) {
+    const int r = u / units_per_row, k = 4 * (u % units_per_row);
+    const int64_t head = head0 + r;
+    if (head >= n_n) continue;
+    float big = kEmptyMax;
+    for (int p = 0; p < parts; ++p) big = fmaxf(big, cluster.map_shared_rank(ml_s, p)[r].x);
+    float denom = 0.0f;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int p = 0; p < parts; ++p) {
+      const float2 ml = cluster.map_shared_rank(ml_s, p)[r];
+      const float wp = exp2f(ml.x - big);
+      denom += wp * ml.y;
+      const float4 o = *reinterpret_cast<const float4*>(cluster.map_shared_rank(o_s, p) + r * ld + k);
+      acc.x += wp * o.x, acc.y += wp * o.y, acc.z += wp * o.z, acc.w += wp * o.w;
+    }
+    *reinterpret_cast<uint2*>(out + (t * n_n + head) * h_n + k) =
+        make_uint2(PackBf16(acc.x / denom, acc.y / denom), PackBf16(acc.z / denom, acc.w / denom));
+  }
+  cluster.sync();
+}
+
 // kFixedH: the head dim as a compile-time constant (512, the model's), so that the loops over
 // it unroll and its divisions become shifts; 0 reads it from h_arg. kFlashFp8: every table is
 // in the FLASH FP8 layout (IsFlashFp8; kFixedH is then 512).
@@ -303,7 +342,7 @@ __global__ void __launch_bounds__(kTcThreads)
     TensorCoreAttentionKernel(const uint16_t* q, TableViews tables, const int32_t* window_idx, int64_t w_n,
                               const int32_t* comp_idx, int64_t x_n, const float* sink, uint16_t* out, int64_t n_n,
                               int64_t h_arg, float scale_log2, int64_t tiles_per_split, int stage_ld, float* split_o,
-                              float* split_ml) {
+                              float* split_ml, bool cluster_merge) {
   const int h_n = kFixedH ? kFixedH : static_cast<int>(h_arg);
   extern __shared__ __align__(16) uint16_t smem[];
   // Tile n's slots are slots[n % 4]: resolved in iteration n - 3, staged in n - 2, decoded in
@@ -502,6 +541,25 @@ __global__ void __launch_bounds__(kTcThreads)
   CopyAsyncCommitAndWaitAll();  // nothing may be in flight at exit (an empty part staged nothing)
 
   l_lo = QuadSum(l_lo), l_hi = QuadSum(l_hi);
+  if (gridDim.z > 1 && cluster_merge) {  // a split part, merged over the cluster
+    __syncthreads();  // every thread's copies landed: the tiles' shared memory is free
+    float* o_s = reinterpret_cast<float*>(smem);                      // [kTcHeads][h + kPad]
+    float2* ml_s = reinterpret_cast<float2*>(o_s + kTcHeads * ld);    // [kTcHeads]
+    const int row_lo = group * 16 + g, row_hi = row_lo + 8;
+#pragma unroll
+    for (int b = 0; b < kMaxOutBlocks; ++b) {
+      if (b >= out_blocks) break;
+      const int col = col0 + b * 8 + 2 * c;
+      *reinterpret_cast<float2*>(o_s + row_lo * ld + col) = {o[b][0], o[b][1]};
+      *reinterpret_cast<float2*>(o_s + row_hi * ld + col) = {o[b][2], o[b][3]};
+    }
+    if (c == 0 && half == 0) {
+      ml_s[row_lo] = {m_lo, l_lo};
+      ml_s[row_hi] = {m_hi, l_hi};
+    }
+    MergeClusterParts(o_s, ml_s, out, t, head0, n_n, h_n);
+    return;
+  }
   if (gridDim.z > 1) {  // a split part: unnormalised output, max and denominator
     const int64_t part = (static_cast<int64_t>(blockIdx.z) * gridDim.x + t) * n_n;
 #pragma unroll
@@ -627,11 +685,28 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
   auto* kernel = flash_fp8 ? TensorCoreAttentionKernel<kMaxHeadDim, true>
                  : fixed   ? TensorCoreAttentionKernel<kMaxHeadDim, false>
                            : TensorCoreAttentionKernel<0, false>;
-  kernel<<<grid, kTcThreads, TensorCoreSharedBytes(a.h, stage), stream>>>(
-      static_cast<const uint16_t*>(q), TableViews{{a.ring, a.fresh, a.comp}}, window_idx, a.w, comp_idx, a.x, sink,
-      static_cast<uint16_t*>(out), a.n, a.h, scale * kLog2e, std::max<int64_t>(per_split, 1),
-      static_cast<int>(stage), split_o, split_ml);
-  if (auto e = LastCudaError("TensorCoreAttentionKernel"); e.failure() || used == 1) return e;
+  // Split parts run as one cluster, merged on chip, when there are few enough of them.
+  const bool cluster_merge = used > 1 && used <= kMaxClusterParts;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(kTcThreads);
+  config.dynamicSmemBytes = TensorCoreSharedBytes(a.h, stage);
+  config.stream = stream;
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = 1;
+  cluster[0].val.clusterDim.y = 1;
+  cluster[0].val.clusterDim.z = static_cast<unsigned>(used);
+  config.attrs = cluster;
+  config.numAttrs = cluster_merge ? 1 : 0;
+  const cudaError_t launched = cudaLaunchKernelEx(
+      &config, kernel, static_cast<const uint16_t*>(q), TableViews{{a.ring, a.fresh, a.comp}}, window_idx, a.w,
+      comp_idx, a.x, sink, static_cast<uint16_t*>(out), a.n, a.h, scale * kLog2e, std::max<int64_t>(per_split, 1),
+      static_cast<int>(stage), split_o, split_ml, cluster_merge);
+  if (launched != cudaSuccess) {
+    return ffi::Error::Internal(std::string("TensorCoreAttentionKernel: ") + cudaGetErrorString(launched));
+  }
+  if (auto e = LastCudaError("TensorCoreAttentionKernel"); e.failure() || used == 1 || cluster_merge) return e;
   const int64_t rows = a.t * a.n, units = rows * ((a.h + kCombineColumns - 1) / kCombineColumns);
   CombineSplitsKernel<<<static_cast<unsigned>((units + kCombineWarps - 1) / kCombineWarps), kCombineWarps * 32,
                         kCombineWarps * used * sizeof(float), stream>>>(split_o, split_ml,
