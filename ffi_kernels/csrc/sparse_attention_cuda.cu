@@ -25,6 +25,7 @@
 // ScalarAttentionKernel (everything else: f32 inputs, odd widths): one warp per head, f32 FMA.
 #include <cuda_bf16.h>
 #include <algorithm>
+#include <atomic>
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
@@ -685,8 +686,6 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
   auto* kernel = flash_fp8 ? TensorCoreAttentionKernel<kMaxHeadDim, true>
                  : fixed   ? TensorCoreAttentionKernel<kMaxHeadDim, false>
                            : TensorCoreAttentionKernel<0, false>;
-  // Split parts run as one cluster, merged on chip, when there are few enough of them.
-  const bool cluster_merge = used > 1 && used <= kMaxClusterParts;
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = dim3(kTcThreads);
@@ -698,6 +697,27 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
   cluster[0].val.clusterDim.y = 1;
   cluster[0].val.clusterDim.z = static_cast<unsigned>(used);
   config.attrs = cluster;
+  config.numAttrs = 1;
+  // Split parts run as one cluster, merged on chip, when there are few enough of them and all
+  // the clusters are resident at once (clusters must fit within a GPU processing cluster, so
+  // fewer of them than blocks / parts may be: a second wave would cost more than the merge
+  // saves; on an H200, 32 clusters of 4 of these blocks ran as 1.5x the one-wave time).
+  bool cluster_merge = used > 1 && used <= kMaxClusterParts;
+  if (cluster_merge) {
+    static std::atomic<int> resident[3][kMaxClusterParts + 1] = {};  // max active clusters + 1; 0: not asked
+    std::atomic<int>& known = resident[variant][used];
+    if (known.load() == 0) {
+      cudaLaunchConfig_t one = config;
+      one.gridDim = dim3(1, 1, static_cast<unsigned>(used));
+      int clusters = 0;
+      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &one) != cudaSuccess) {
+        (void)cudaGetLastError();  // not an error of this launch: merge through the scratch
+        clusters = 0;
+      }
+      known.store(clusters + 1);
+    }
+    cluster_merge = static_cast<int64_t>(grid.x) * grid.y <= known.load() - 1;
+  }
   config.numAttrs = cluster_merge ? 1 : 0;
   const cudaError_t launched = cudaLaunchKernelEx(
       &config, kernel, static_cast<const uint16_t*>(q), TableViews{{a.ring, a.fresh, a.comp}}, window_idx, a.w,
