@@ -291,7 +291,7 @@ __device__ __forceinline__ void DecodeFlashFp8Tile(const Slot* tile, const unsig
     const float scale = E8m0ToFloat(scale_byte);
 #pragma unroll
     for (int k = 0; k < kBlock / 16; ++k) {
-      const uint4 w = valid ? src[k] : zero;
+      const uint4 w = src[k];  // (an empty slot's stale bytes: decoded, then not stored)
       dst[2 * k] = valid ? E4m3EightToBf16(make_uint2(w.x, w.y), scale) : zero;
       dst[2 * k + 1] = valid ? E4m3EightToBf16(make_uint2(w.z, w.w), scale) : zero;
     }
@@ -409,6 +409,7 @@ __global__ void __launch_bounds__(kTcThreads)
       __syncthreads();
     }
   };
+  auto decoded_tile = [&](int i) { return kv_s + (i % 2) * kTile * ld; };  // tile i's buffer
   // Pipeline: while tile n is computed from kv_s[n % 2], tile n + 1 is decoded into the other
   // buffer by whichever warps are done with tile n (one block barrier a tile), tile n + 2's
   // bytes are on their way (cp.async, no registers held) and tile n + 3's slots resolved.
@@ -425,7 +426,7 @@ __global__ void __launch_bounds__(kTcThreads)
   }
   __syncthreads();  // tiles 0 .. 2 resolved
   stage_tile(slots[0]);
-  decode_tile(slots[0], kv_s);
+  decode_tile(slots[0], decoded_tile(0));
   if (first + kTile < end) stage_tile(slots[1]);
   __syncthreads();  // tile 0 decoded, q landed
 
@@ -442,7 +443,7 @@ __global__ void __launch_bounds__(kTcThreads)
   int n = 0;
   for (int64_t base = first; base < end; base += kTile, ++n) {
     const Slot* tile = slots[n % kSlotBuffers];
-    const uint16_t* kv = kv_s + (n % 2) * kTile * ld;
+    const uint16_t* kv = decoded_tile(n);
 
     // S = Q K^T: this group's 16 heads x the tile's rows, this warp over its half of the head
     // dim; then the group's other warp's half added (a pair barrier: warps w and w + 4).
@@ -528,7 +529,7 @@ __global__ void __launch_bounds__(kTcThreads)
     // Tile n + 1 into the other buffer (every warp finished tile n - 1 there: the last barrier),
     // tile n + 2's copies, tile n + 3's slots (buffer n - 1's: its mask was last iteration's).
     if (base + kTile < end) {
-      decode_tile(slots[(n + 1) % kSlotBuffers], kv_s + ((n + 1) % 2) * kTile * ld);
+      decode_tile(slots[(n + 1) % kSlotBuffers], decoded_tile(n + 1));
       if (base + 2 * kTile < end) stage_tile(slots[(n + 2) % kSlotBuffers]);
     }
     if (threadIdx.x < kTile) {
