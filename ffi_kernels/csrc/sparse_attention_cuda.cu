@@ -25,7 +25,9 @@
 // ScalarAttentionKernel (everything else: f32 inputs, odd widths): one warp per head, f32 FMA.
 #include <cuda_bf16.h>
 #include <algorithm>
-#include <atomic>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
@@ -705,9 +707,13 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
   // saves; on an H200, 32 clusters of 4 of these blocks ran as 1.5x the one-wave time).
   bool cluster_merge = used > 1 && used <= kMaxClusterParts;
   if (cluster_merge) {
-    static std::atomic<int> resident[3][kMaxClusterParts + 1] = {};  // max active clusters + 1; 0: not asked
-    std::atomic<int>& known = resident[variant][used];
-    if (known.load() == 0) {
+    // Asked once per kernel, cluster size and shared memory (the answer depends on all three).
+    static std::mutex mutex;
+    static std::map<std::tuple<const void*, int64_t, size_t>, int> resident;
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), used, config.dynamicSmemBytes);
+    auto it = resident.find(key);
+    if (it == resident.end()) {
       cudaLaunchConfig_t one = config;
       one.gridDim = dim3(1, 1, static_cast<unsigned>(used));
       int clusters = 0;
@@ -715,9 +721,9 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
         (void)cudaGetLastError();  // not an error of this launch: merge through the scratch
         clusters = 0;
       }
-      known.store(clusters + 1);
+      it = resident.emplace(key, clusters).first;
     }
-    cluster_merge = static_cast<int64_t>(grid.x) * grid.y <= known.load() - 1;
+    cluster_merge = static_cast<int64_t>(grid.x) * grid.y <= it->second;
   }
   config.numAttrs = cluster_merge ? 1 : 0;
   const cudaError_t launched = cudaLaunchKernelEx(
