@@ -154,6 +154,22 @@ def test_sparse_attention_paged_matches_the_reference(fmt, dtype, t, with_pool):
     _close(got, want, dtype)
 
 
+def _check_bf16_attention(rng, fmt, n, h, rope, t, *, comp_rows, comp_slots, comp_scale=1.0, q_scale=1.0):
+    """bf16 attention over a 50-row ring (40 window slots) and a pool of `comp_rows` rows
+    (`comp_slots` slots) in `fmt`, through the FFI kernel (jitted) vs the reference."""
+    dtype = jnp.bfloat16
+    ring = _table(rng, fmt, 50, h, rope, dtype)
+    fresh = EntryTable.from_values(jnp.asarray(rng.normal(size=(t, h)), dtype), like=ring)
+    window_idx = jnp.asarray(_window_idx(rng, t, 40, ring.rows, t))
+    comp = _table(rng, fmt, comp_rows, h, rope, dtype, scale=comp_scale)
+    comp_idx = jnp.asarray(_comp_idx(rng, t, comp_slots, comp.rows))
+    q = jnp.asarray(q_scale * rng.normal(size=(t, n, h)), dtype)
+    sink = jnp.asarray(rng.normal(size=(n,)), jnp.float32)
+    args = (q, (ring, fresh), window_idx, comp, comp_idx, sink, h ** -0.5)
+    _close(jax.jit(attn_ffi.sparse_attention_paged, static_argnums=6)(*args),
+           attn_ref.sparse_attention_paged(*args), dtype)
+
+
 @pytest.mark.parametrize("fmt", KV_FORMATS)
 @pytest.mark.parametrize("n, h, rope", [(70, 96, 32), (64, 512, 64)])
 @pytest.mark.parametrize("t", [3, 200])
@@ -162,18 +178,7 @@ def test_bf16_attention_on_the_tensor_core_path_matches_the_reference(fmt, n, h,
     # heads per block, so 70 heads take a second, mostly empty block; 70 selected rows are three
     # 32-row tiles, the last one partly masked); 3 queries split their rows over blocks
     # (split_parts), 200 do not. The CPU library runs its one kernel.
-    rng = np.random.default_rng(h)
-    dtype = jnp.bfloat16
-    ring = _table(rng, fmt, 50, h, rope, dtype)
-    fresh = EntryTable.from_values(jnp.asarray(rng.normal(size=(t, h)), dtype), like=ring)
-    window_idx = jnp.asarray(_window_idx(rng, t, 40, ring.rows, t))
-    comp = _table(rng, fmt, 40, h, rope, dtype, scale=2.0)
-    comp_idx = jnp.asarray(_comp_idx(rng, t, 30, comp.rows))
-    q = jnp.asarray(rng.normal(size=(t, n, h)), dtype)
-    sink = jnp.asarray(rng.normal(size=(n,)), jnp.float32)
-    args = (q, (ring, fresh), window_idx, comp, comp_idx, sink, h ** -0.5)
-    _close(jax.jit(attn_ffi.sparse_attention_paged, static_argnums=6)(*args),
-           attn_ref.sparse_attention_paged(*args), dtype)
+    _check_bf16_attention(np.random.default_rng(h), fmt, n, h, rope, t, comp_rows=40, comp_slots=30, comp_scale=2.0)
 
 
 @pytest.mark.parametrize("t", [3, 40])
@@ -181,18 +186,8 @@ def test_attention_with_logits_over_many_octaves_matches_the_reference(t):
     # q scaled so that the logits spread over tens of octaves: the online softmax's running max
     # jumps from tile to tile (O and l rescaled by factors far from 1) and differs between the
     # split parts that CUDA merges (t = 3).
-    rng = np.random.default_rng(40 + t)
-    n, h, rope = 64, 512, 64
-    ring = _table(rng, EntryFormat.KV_FP8, 50, h, rope, jnp.bfloat16)
-    fresh = EntryTable.from_values(jnp.asarray(rng.normal(size=(t, h)), jnp.bfloat16), like=ring)
-    window_idx = jnp.asarray(_window_idx(rng, t, 40, ring.rows, t))
-    comp = _table(rng, EntryFormat.KV_FP8, 90, h, rope, jnp.bfloat16)
-    comp_idx = jnp.asarray(_comp_idx(rng, t, 60, comp.rows))
-    q = jnp.asarray(8.0 * rng.normal(size=(t, n, h)), jnp.bfloat16)
-    sink = jnp.asarray(rng.normal(size=(n,)), jnp.float32)
-    args = (q, (ring, fresh), window_idx, comp, comp_idx, sink, h ** -0.5)
-    _close(jax.jit(attn_ffi.sparse_attention_paged, static_argnums=6)(*args),
-           attn_ref.sparse_attention_paged(*args), jnp.bfloat16)
+    _check_bf16_attention(np.random.default_rng(40 + t), EntryFormat.KV_FP8, 64, 512, 64, t, comp_rows=90,
+                          comp_slots=60, q_scale=8.0)
 
 
 @pytest.mark.parametrize("ring_fmt, fresh_fmt, pool_fmt", [
