@@ -83,23 +83,11 @@ REGISTERED: dict[str, Path] = {p: path for p in LIBRARIES if (path := _register(
 
 
 @functools.cache
-def indexer_on_chip_candidates(platform: str, heads: int, head_dim: int) -> int | None:
-    """The most candidates per query whose score row the indexer kernel keeps on chip (the
-    CUDA kernel's shared memory on the current device), or None when there is no limit (the CPU
-    kernel keeps its own row). Callers pass a [T, S] scores scratch only above this."""
-    if platform != "cuda":
-        return None
-    query = _LOADED[platform].Dsv4IndexerOnChipCandidates
-    query.restype, query.argtypes = ctypes.c_int64, [ctypes.c_int64, ctypes.c_int64]
-    return int(query(heads, head_dim))
-
-
-@functools.cache
 def indexer_scratch_columns(platform: str, queries: int, candidates: int, heads: int, head_dim: int) -> int:
     """The columns of the [T, S] scores scratch to pass the indexer kernel for T queries of S
-    candidates: S where the CUDA kernel scores in a separate pass (the score row does not fit on
-    chip, or decode's few queries spread over many blocks), 0 where it keeps each row on chip
-    and writes no score to HBM; always 0 off CUDA (the CPU kernel keeps its own row)."""
+    candidates: S where the CUDA kernel scores in a separate pass (decode's few queries spread
+    over many blocks), 0 where each query's block scores and selects on chip and writes no
+    score to HBM (at any S); always 0 off CUDA (the CPU kernel keeps its own row)."""
     if platform != "cuda":
         return 0
     query = _LOADED[platform].Dsv4IndexerScratchColumns

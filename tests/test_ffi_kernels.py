@@ -373,17 +373,27 @@ def test_indexer_topk_fp4_keys_with_large_scales(monkeypatch, mode, key_scale, m
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.gpu
-def test_indexer_topk_beyond_the_on_chip_limit_uses_the_scratch():
+@pytest.mark.parametrize("ascending", [True, False])
+def test_indexer_topk_streams_a_long_context_through_its_pool(monkeypatch, ascending):
+    # 64k candidates per query, fused: on CUDA one block per query streams them through a pool
+    # of k + 1024 keys in shared memory and compacts it to its k largest whenever it may fill.
+    # Keys whose scores ascend with the candidate (for query 0, whose pages are in order) make
+    # many candidates join (each new level of the quantised scores beats the whole pool), so
+    # many compactions; random keys few. The ascending scores tie in long runs (FP8 keys), which
+    # the selection must split by candidate.
+    _indexer_mode(monkeypatch, "fused")
     rng = np.random.default_rng(6)
-    i, j, epp, topk = 2, 32, 1024, 64
-    limit_s = ffi_kernels.indexer_on_chip_candidates("cuda", i, j)
-    pages = limit_s // epp + 2  # S above what shared memory holds
-    keys = _table(rng, EntryFormat.INDEX_FP8, pages * epp, j, 0, jnp.bfloat16)
-    q = jnp.asarray(rng.normal(size=(2, i, j)), jnp.bfloat16)
-    w = jnp.asarray(rng.normal(size=(2, i)), jnp.float32)
+    i, j, epp, topk, pages = 2, 32, 1024, 64, 64
+    rows = pages * epp
+    values = rng.normal(size=(rows, j))
+    if ascending:
+        values = np.linspace(0.01, 1.0, rows)[:, None] + 0.001 * values
+    keys = EntryTable.zeros(rows, j, EntryFormat.INDEX_FP8, 0, jnp.bfloat16).write(
+        jnp.arange(rows), jnp.asarray(values, jnp.bfloat16))
+    q = jnp.asarray(np.abs(rng.normal(size=(2, i, j))), jnp.bfloat16)
+    w = jnp.asarray(np.abs(rng.normal(size=(2, i))), jnp.float32)
     page_table = jnp.asarray(np.stack([np.arange(pages), rng.permutation(pages)]), jnp.int32)
-    limit = jnp.asarray([pages * epp, pages * epp - 100], jnp.int32)
+    limit = jnp.asarray([rows, rows - 100], jnp.int32)
     want = indexer_ref.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
     got = indexer_ffi.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

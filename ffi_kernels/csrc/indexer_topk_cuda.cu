@@ -6,21 +6,24 @@
 // value is exact there) and Q K^T is an mma.sync product, its ReLU-weighted head sum reduced
 // in registers; a tile's key loads are issued before the previous tile's products, so they
 // overlap. Otherwise one warp per candidate in f32 FMA. Where the scores go:
-//   - fused (no scratch, [T, 0]): one block per query scores its visible candidates into a
-//     score row in shared memory (Dsv4IndexerOnChipCandidates: up to ~48k candidates, ~190k
-//     tokens of context at ratio 4, on an H200) and selects from it: no score reaches HBM.
-//     This serves the prefill chunk, whose thousands of queries fill the GPU.
+//   - fused (no scratch, [T, 0]): one block per query scores its visible candidates and
+//     streams them into its selection (below): no score reaches HBM, and the block's shared
+//     memory does not grow with the context. This serves the prefill chunk, whose thousands
+//     of queries fill the GPU.
 //   - scored (a [T, S] scratch): IndexerScoreKernel spreads each query's candidates over many
-//     blocks and writes the scores to the scratch, then the selection kernel reads them back.
-//     Dsv4IndexerScratchColumns asks for this when the score row does not fit on chip, and
-//     for decode, where one block per query would leave most multiprocessors idle (a few
-//     queries' score rows, ~4 KB each at a 4k context, against the keys' 70 KB read).
-// (2) A radix select over the scores' order-preserving bit patterns (4 passes of 8 bits, each
-// histogram's bin found by a block-wide scan) finds the k-th largest. (3) Every candidate
-// above it is kept, and of those equal to it the lowest-numbered ones. (4) A bitonic sort
-// orders the kept ones by (score desc, candidate asc), the reference's order, each entry
-// sorted as one 64-bit key. (Sorting every candidate instead, for decode's 1024, measured
-// ~1 us slower than select-then-sort on an H200.)
+//     blocks and writes the scores to the scratch, then the selection kernel streams them back.
+//     Dsv4IndexerScratchColumns asks for this for decode, where one block per query would
+//     leave most multiprocessors idle (a few queries' score rows, ~4 KB each at a 4k context,
+//     against the keys' 70 KB read).
+// (2) Selection, streamed: each candidate is one 64-bit sort key (SortKey: the score's
+// order-preserving bits above the candidate's complement, so larger keys rank first and equal
+// scores go to the lower candidate, the reference's order; keys are distinct). Keys at or
+// above a bound join a pool in shared memory of k + kPoolSlack entries; when the pool may
+// overflow, a radix select (8-bit digits from the top, each histogram's bin found by a
+// block-wide scan, stopping once a bin holds exactly the keys still wanted) keeps its k
+// largest and raises the bound to them, so that a key below it, beaten by k kept ones, never
+// joins again. At the end the pool's k largest are selected the same way and sorted by a
+// bitonic network (score desc, candidate asc).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -29,7 +32,6 @@
 #include "cuda_tiles.h"
 #include "op_args.h"
 
-extern "C" int64_t Dsv4IndexerOnChipCandidates(int64_t i, int64_t j);
 extern "C" int64_t Dsv4IndexerScratchColumns(int64_t t, int64_t s, int64_t i, int64_t j);
 extern "C" int64_t Dsv4MultiprocessorCount();  // sparse_attention_cuda.cu
 
@@ -40,7 +42,7 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxTopk = 2048;
 constexpr int kMaxHeadDim = 256;
-constexpr int kMaxSmemBytes = 40 * 1024;  // the scoring / selection region, before the score row
+constexpr int kMaxSmemBytes = 40 * 1024;  // the scoring region (RegionBytes), before the selection's pool
 constexpr int kMmaRows = 64;               // tensor-core scoring: heads (padded) and candidates per tile
 constexpr int kMmaMaxDim = 128;
 constexpr int kMmaGroups = kMmaRows / 16;  // head groups of 16 (the mma's M)
@@ -58,20 +60,23 @@ constexpr int kBytes = kDim / 2;           // packed codes a row
 constexpr int kQuarters = kDim / kBlock;   // 16-byte quarters a row, one scale each
 }  // namespace index_fp4
 
-// Bytes of the region before the score row: the scoring inputs (q in f32 for the scalar
-// scorer; q and one key tile in bf16, q's space then being the second key buffer, plus two sets
-// of the head groups' partial sums for the tensor-core one), then the kept entries' 64-bit sort
-// keys of the selection.
+// Bytes of the scoring inputs in shared memory: q in f32 for the scalar scorer; q and one key
+// tile in bf16 (q's space then being the second key buffer) plus two sets of the head groups'
+// partial sums for the tensor-core one; rounded up to 16 bytes (the pool follows it).
 DSV4_HD size_t RegionBytes(int64_t i, int64_t j) {
-  const size_t scalar = i * j * sizeof(float), sel = kMaxTopk * sizeof(uint64_t);
+  const size_t scalar = i * j * sizeof(float);
   const size_t mma = j <= kMmaMaxDim ? 2 * kMmaRows * (j + kPad) * 2 + 2 * kMmaGroups * kMmaRows * sizeof(float) : 0;
-  const size_t most = scalar > sel ? scalar : sel;
-  return most > mma ? most : mma;
+  return ((scalar > mma ? scalar : mma) + 15) / 16 * 16;
 }
 
-// Static shared memory of the fused kernel (histogram, counters, a tile's stored rows; 2.3 KB
-// on SM90) and slack.
-constexpr int64_t kStaticSharedBytes = 4 * 1024;
+// The selection's pool (the file comment): k kept keys and room for the candidates that may
+// join before the next compaction (a compaction keeps k; see AfterStep for how close to full
+// the pool may get). At least the sorted length of k entries (SortLength(k) <= k + 1024).
+constexpr int64_t kPoolSlack = 1024;
+DSV4_HD constexpr int64_t PoolCapacity(int64_t k) { return k + kPoolSlack; }
+DSV4_HD constexpr size_t PoolBytes(int64_t k) { return static_cast<size_t>(PoolCapacity(k)) * sizeof(uint64_t); }
+// The fused kernel's largest dynamic shared memory (its opt-in: above the 48 KB default).
+constexpr size_t kMaxFusedSmemBytes = kMaxSmemBytes + PoolBytes(kMaxTopk);
 
 // Larger float -> larger key; -0 and +0 share a key (they tie in the reference).
 __device__ __forceinline__ uint32_t OrderKey(float v) {
@@ -94,9 +99,21 @@ __device__ __forceinline__ int64_t VisibleCandidates(const TableView& keys, cons
   return keys.rows ? min(max(static_cast<int64_t>(limit[t]), int64_t{0}), s_n) : 0;
 }
 
-// Scores of candidates [begin, end) of query t into row_scores[begin, end) on tensor cores (the
-// file comment). Warp w: head group w % 4 (heads 16 (w % 4) .. +16) and candidates
-// 32 (w / 4) .. +32 of the tile, as S^T = K Q^T (candidates are the mma's rows, heads its
+// Where a scoring loop's scores go (Sink): Emit(s, score, valid) is called by whole warps, the
+// lanes with a candidate marked valid, and Barrier() by the whole block between tiles (it is
+// the block barrier of the loop's pipeline). RowSink writes a score row in global memory (the
+// scored mode's scratch); PoolSink streams them into the selection.
+struct RowSink {
+  float* row;
+  __device__ void Emit(int64_t s, float score, bool valid) {
+    if (valid) row[s] = score;
+  }
+  __device__ void Barrier() { __syncthreads(); }
+};
+
+// Scores of candidates [begin, end) of query t into `sink` on tensor cores (the file
+// comment). Warp w: head group w % 4 (heads 16 (w % 4) .. +16) and candidates 32 (w / 4) ..
+// +32 of the tile, as S^T = K Q^T (candidates are the mma's rows, heads its
 // columns), so that a lane's accumulators hold 4 of the group's heads for each of its
 // candidates: their w_i relu(dot) are summed in registers, then over the 4 lanes of a row by
 // two shuffles, and the four head groups' sums are added in a fixed order.
@@ -108,10 +125,10 @@ __device__ __forceinline__ int64_t VisibleCandidates(const TableView& keys, cons
 // quarter u of row r (16 bytes: 32 codes, one scale block) and decodes it with constant
 // offsets (a quarter-warp's 16-byte stores then fall in distinct banks); otherwise each
 // thread loads and decodes four generic 8-value chunks.
-template <bool kIndexFp4>
+template <bool kIndexFp4, class Sink>
 __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& keys, const int32_t* page_table,
                           int64_t p_n, int64_t epp, int64_t t, int64_t begin, int64_t end, int64_t i_n, int64_t j_arg,
-                          unsigned char* smem, float* row_scores) {
+                          unsigned char* smem, Sink& sink) {
   __shared__ float w_s[kMmaRows];
   __shared__ int64_t rows_s[2][kMmaRows];  // stored row of each candidate of the tile (-1 past the end)
   const int64_t j_n = kIndexFp4 ? index_fp4::kDim : j_arg;
@@ -252,56 +269,62 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
     }
     if (base + kMmaRows < end) decode_tile(key_buffer(b ^ 1), rows_s[b ^ 1]);
     resolve_rows(rows_s[b], base + 2 * kMmaRows);
-    __syncthreads();  // tile n's sums written and buffer b read; tile n + 1 decoded; rows of n + 2
+    sink.Barrier();  // tile n's sums written and buffer b read; tile n + 1 decoded; rows of n + 2
     if (base + 2 * kMmaRows < end) load_tile(rows_s[b]);
-    if (threadIdx.x < kMmaRows && base + threadIdx.x < end) {
+    if (threadIdx.x < kMmaRows) {  // warps 0 and 1, whole
       const int r = threadIdx.x;
-      row_scores[base + r] =
-          ((part_b[r] + part_b[kMmaRows + r]) + part_b[2 * kMmaRows + r]) + part_b[3 * kMmaRows + r];
+      sink.Emit(base + r,
+                ((part_b[r] + part_b[kMmaRows + r]) + part_b[2 * kMmaRows + r]) + part_b[3 * kMmaRows + r],
+                base + r < end);
     }
   }
 }
 
-// Scores of candidates [begin, end) of query t into row_scores[begin, end) in f32 FMA: q in
-// f32 in shared memory, one warp per candidate.
+// Scores of candidates [begin, end) of query t into `sink` in f32 FMA: q in f32 in shared
+// memory, one warp per candidate, kWarps candidates between the sink's barriers.
+template <class Sink>
 __device__ void ScalarScores(const void* q, Elem q_type, const float* w, const TableView& keys,
                              const int32_t* page_table, int64_t p_n, int64_t epp, int64_t t, int64_t begin,
-                             int64_t end, int64_t i_n, int64_t j_n, unsigned char* smem, float* row_scores) {
+                             int64_t end, int64_t i_n, int64_t j_n, unsigned char* smem, Sink& sink) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* q_s = reinterpret_cast<float*>(smem);
   for (int64_t e = threadIdx.x; e < i_n * j_n; e += kThreads) q_s[e] = LoadElem(q, q_type, t * i_n * j_n + e);
   __syncthreads();
-  for (int64_t s = begin + warp; s < end; s += kWarps) {
-    const int64_t row = CandidateRow(page_table + t * p_n, epp, s, keys.rows);
-    float k_r[kMaxHeadDim / 32];
-#pragma unroll
-    for (int u = 0; u < kMaxHeadDim / 32; ++u) {
-      const int64_t j = lane + 32 * u;
-      k_r[u] = j < j_n ? DecodeEntry(keys, row, j) : 0.0f;
-    }
+  for (int64_t tile = begin; tile < end; tile += kWarps) {
+    const int64_t s = tile + warp;
     float total = 0.0f;
-    for (int64_t i = 0; i < i_n; ++i) {
-      float dot = 0.0f;
+    if (s < end) {
+      const int64_t row = CandidateRow(page_table + t * p_n, epp, s, keys.rows);
+      float k_r[kMaxHeadDim / 32];
 #pragma unroll
       for (int u = 0; u < kMaxHeadDim / 32; ++u) {
         const int64_t j = lane + 32 * u;
-        if (j < j_n) dot += q_s[i * j_n + j] * k_r[u];
+        k_r[u] = j < j_n ? DecodeEntry(keys, row, j) : 0.0f;
       }
-      total += w[t * i_n + i] * fmaxf(WarpSum(dot), 0.0f);
+      for (int64_t i = 0; i < i_n; ++i) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int u = 0; u < kMaxHeadDim / 32; ++u) {
+          const int64_t j = lane + 32 * u;
+          if (j < j_n) dot += q_s[i * j_n + j] * k_r[u];
+        }
+        total += w[t * i_n + i] * fmaxf(WarpSum(dot), 0.0f);
+      }
     }
-    if (lane == 0) row_scores[s] = total;
+    sink.Emit(s, total, lane == 0 && s < end);
+    sink.Barrier();
   }
 }
 
-template <Scorer kScorer>
+template <Scorer kScorer, class Sink>
 __device__ void Scores(const void* q, Elem q_type, const float* w, const TableView& keys, const int32_t* page_table,
                        int64_t p_n, int64_t epp, int64_t t, int64_t begin, int64_t end, int64_t i_n, int64_t j_n,
-                       unsigned char* smem, float* row_scores) {
+                       unsigned char* smem, Sink& sink) {
   if constexpr (kScorer != Scorer::kScalar) {
     MmaScores<kScorer == Scorer::kMmaIndexFp4>(static_cast<const uint16_t*>(q), w, keys, page_table, p_n, epp, t,
-                                               begin, end, i_n, j_n, smem, row_scores);
+                                               begin, end, i_n, j_n, smem, sink);
   } else {
-    ScalarScores(q, q_type, w, keys, page_table, p_n, epp, t, begin, end, i_n, j_n, smem, row_scores);
+    ScalarScores(q, q_type, w, keys, page_table, p_n, epp, t, begin, end, i_n, j_n, smem, sink);
   }
 }
 
@@ -321,34 +344,8 @@ __global__ void __launch_bounds__(kThreads, ScoreBlocksPerSm(kScorer))
   const int64_t t = blockIdx.x, s_n = p_n * epp, begin = blockIdx.y * per_block;
   const int64_t end = min(VisibleCandidates(keys, limit, t, s_n), begin + per_block);
   if (begin >= end) return;
-  Scores<kScorer>(q, q_type, w, keys, page_table, p_n, epp, t, begin, end, i_n, j_n, smem, scores + t * s_n);
-}
-
-// Counts per radix bin -> the bin of the remaining-th largest key: thread b holds bin 255 - b,
-// an inclusive block scan gives the keys in bins at or above it, and the one thread whose
-// bin holds the remaining-th updates the shared selection state; `settled` when that bin
-// holds exactly the keys still wanted (all of them are kept: the lower bits need no pass).
-__device__ void FindBin(const uint32_t* hist, int shift, uint32_t* warp_totals, uint32_t* prefix, uint32_t* want_mask,
-                        uint32_t* remaining, uint32_t* settled) {
-  static_assert(kThreads == 256, "one radix bin per thread");
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, bin = 255 - static_cast<int>(threadIdx.x);
-  const uint32_t count = hist[bin];
-  uint32_t at_or_above = count;
-  for (int o = 1; o < 32; o <<= 1) {
-    const uint32_t v = __shfl_up_sync(0xffffffffu, at_or_above, o);
-    if (lane >= o) at_or_above += v;
-  }
-  if (lane == 31) warp_totals[warp] = at_or_above;
-  __syncthreads();
-  for (int v = 0; v < warp; ++v) at_or_above += warp_totals[v];
-  const uint32_t want = *remaining, above = at_or_above - count;
-  __syncthreads();  // every thread has read `remaining`
-  if (above < want && at_or_above >= want) {
-    *prefix |= static_cast<uint32_t>(bin) << shift;
-    *want_mask |= 0xffu << shift;
-    *remaining = want - above;
-    *settled = count == want - above;
-  }
+  RowSink sink{scores + t * s_n};
+  Scores<kScorer>(q, q_type, w, keys, page_table, p_n, epp, t, begin, end, i_n, j_n, smem, sink);
 }
 
 // Selected entries are sorted as one 64-bit key each: the score's order key above the
@@ -436,107 +433,177 @@ __device__ __forceinline__ int SortLength(int64_t n) {
   return n_sort;
 }
 
+// ---------------------------------------------------------------- streamed selection
+
+// The selection's shared state: the pool's count and bound, and the radix select's.
+struct Selection {
+  uint32_t hist[256];
+  uint32_t warp_counts[kWarps];
+  uint64_t prefix, mask;  // the digits of the wanted key decided so far, and which they are
+  uint32_t remaining;     // keys still wanted from the bin being searched
+  uint32_t settled;       // the last bin holds exactly the keys still wanted
+  uint32_t count;         // keys in the pool
+  uint64_t bound;         // keys below it never join the pool
+};
+
+// Counts per radix bin -> the bin of the remaining-th largest key: thread b holds bin 255 - b,
+// an inclusive block scan gives the keys in bins at or above it, and the one thread whose bin
+// holds the remaining-th updates the selection state; `settled` when that bin holds exactly
+// the keys still wanted (all of them are kept: the lower digits need no pass).
+__device__ void FindBin(Selection& sel, int shift) {
+  static_assert(kThreads == 256, "one radix bin per thread");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, bin = 255 - static_cast<int>(threadIdx.x);
+  const uint32_t count = sel.hist[bin];
+  uint32_t at_or_above = count;
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t v = __shfl_up_sync(0xffffffffu, at_or_above, o);
+    if (lane >= o) at_or_above += v;
+  }
+  if (lane == 31) sel.warp_counts[warp] = at_or_above;
+  __syncthreads();
+  for (int v = 0; v < warp; ++v) at_or_above += sel.warp_counts[v];
+  const uint32_t want = sel.remaining, above = at_or_above - count;
+  __syncthreads();  // every thread has read `remaining` and the warp totals
+  if (above < want && at_or_above >= want) {
+    sel.prefix |= static_cast<uint64_t>(bin) << shift;
+    sel.mask |= uint64_t{0xff} << shift;
+    sel.remaining = want - above;
+    sel.settled = count == want - above;
+  }
+}
+
+// Keeps the kth largest of the distinct keys pool[0, n) (1 <= kth <= n) in pool[0, kth) and
+// raises the bound to them: the radix select leaves `prefix` = the kth largest key's decided
+// digits with zeros below, so exactly the kept keys are >= prefix, and a later key below it
+// is beaten by kth kept ones. Block-wide (every thread calls it, with the same n and kth).
+__device__ void KeepLargest(Selection& sel, uint64_t* pool, int n, int kth) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    sel.prefix = 0;
+    sel.mask = 0;
+    sel.remaining = static_cast<uint32_t>(kth);
+    sel.settled = 0;
+  }
+  __syncthreads();
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    sel.hist[threadIdx.x] = 0;
+    __syncthreads();
+    const uint64_t mask = sel.mask, prefix = sel.prefix;
+    for (int e = threadIdx.x; e < n; e += kThreads) {
+      const uint64_t key = pool[e];
+      if ((key & mask) == prefix) atomicAdd(&sel.hist[(key >> shift) & 0xffu], 1u);
+    }
+    __syncthreads();
+    FindBin(sel, shift);
+    __syncthreads();
+    if (sel.settled) break;  // (read after the barrier: the same at every thread)
+  }
+  const uint64_t bound = sel.prefix;
+  // Stable in-place compaction (a kept key moves to a lower or the same index), 256 at a time.
+  uint32_t written = 0;
+  for (int base = 0; base < n; base += kThreads) {
+    const int e = base + static_cast<int>(threadIdx.x);
+    const uint64_t key = e < n ? pool[e] : 0;
+    const bool keep = e < n && key >= bound;
+    const uint32_t ballot = __ballot_sync(0xffffffffu, keep);
+    if (lane == 0) sel.warp_counts[warp] = __popc(ballot);
+    __syncthreads();  // this chunk read; its warps' counts visible
+    uint32_t before = written, total = 0;
+    for (int v = 0; v < kWarps; ++v) {
+      if (v < warp) before += sel.warp_counts[v];
+      total += sel.warp_counts[v];
+    }
+    if (keep) pool[before + __popc(ballot & ((1u << lane) - 1u))] = key;
+    written += total;
+    __syncthreads();  // this chunk written before the next is read; the counts free
+  }
+  if (threadIdx.x == 0) {
+    sel.count = written;
+    sel.bound = bound;
+  }
+  __syncthreads();
+}
+
+// Adds the keys of this warp's valid lanes that reach the bound to the pool (one atomic a
+// warp). Called by whole warps.
+__device__ __forceinline__ void Append(Selection& sel, uint64_t* pool, uint64_t key, bool valid) {
+  const int lane = threadIdx.x % 32;
+  const bool join = valid && key >= sel.bound;
+  const uint32_t ballot = __ballot_sync(0xffffffffu, join);
+  if (ballot == 0) return;
+  const int leader = __ffs(ballot) - 1;
+  uint32_t at = 0;
+  if (lane == leader) at = atomicAdd(&sel.count, static_cast<uint32_t>(__popc(ballot)));
+  at = __shfl_sync(0xffffffffu, at, leader);
+  if (join) pool[at + __popc(ballot & ((1u << lane) - 1u))] = key;
+}
+
+// The block barrier after a step of the stream, which appended at most `step` keys: when the
+// next step could overflow the pool, it is compacted to its k largest (KeepLargest) behind the
+// barrier. Thread 0 reads the count before the barrier, while up to `step` appends of other
+// warps may still be on their way: with the next step's, 3 x step of room suffices.
+__device__ __forceinline__ void AfterStep(Selection& sel, uint64_t* pool, int capacity, int k, int step) {
+  const uint32_t seen = threadIdx.x == 0 ? *reinterpret_cast<volatile uint32_t*>(&sel.count) : 0u;
+  if (__syncthreads_or(threadIdx.x == 0 && static_cast<int64_t>(seen) + 3 * step > capacity)) {
+    KeepLargest(sel, pool, static_cast<int>(sel.count), k);
+  }
+}
+
+// The fused mode's sink: each score joins the selection as it is computed (MmaScores emits a
+// tile of kMmaRows between barriers, ScalarScores kWarps).
+struct PoolSink {
+  Selection& sel;
+  uint64_t* pool;
+  int capacity, k;
+  __device__ void Emit(int64_t s, float score, bool valid) { Append(sel, pool, SortKey(score, s), valid); }
+  __device__ void Barrier() { AfterStep(sel, pool, capacity, k, kMmaRows); }
+};
+
+// One block per query: its visible candidates' scores, computed here (fused) or read from the
+// scores scratch (scored mode), stream through the pool; then the kept keys are selected,
+// sorted and written as candidate ids (-1 past the visible ones). Its shared memory (~50 KB
+// fused, for FP4 keys and k = 512) would let four blocks share a multiprocessor; registers are
+// capped so that TopkBlocksPerSm(kScorer) do (three with FP4 keys: 80 registers).
+constexpr int TopkBlocksPerSm(Scorer s) { return s == Scorer::kScalar ? 4 : s == Scorer::kMmaIndexFp4 ? 3 : 2; }
 template <Scorer kScorer>
-__global__ void IndexerTopkKernel(const void* q, Elem q_type, const float* w, TableView keys, const int32_t* page_table,
+__global__ void __launch_bounds__(kThreads, TopkBlocksPerSm(kScorer)) IndexerTopkKernel(const void* q, Elem q_type, const float* w, TableView keys, const int32_t* page_table,
                                   int64_t p_n, int64_t epp, const int32_t* limit, const float* scores, int32_t* ids,
                                   int64_t i_n, int64_t j_n, int64_t k_n) {
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ uint32_t hist[256];
-  __shared__ uint32_t prefix, want_mask, remaining, settled, n_above, n_equal, n_equal_taken;
-  __shared__ uint32_t warp_counts[kWarps];
+  __shared__ Selection sel;
   const int64_t t = blockIdx.x, s_n = p_n * epp;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t visible = VisibleCandidates(keys, limit, t, s_n);
-  const int64_t kept = min(k_n, visible);
-  const size_t region = RegionBytes(i_n, j_n);
-
-  // (1) scores: already in the scratch (scored mode), or computed here into shared memory.
-  float* on_chip_row = reinterpret_cast<float*>(smem + region);
-  if (!scores) {
-    Scores<kScorer>(q, q_type, w, keys, page_table, p_n, epp, t, 0, visible, i_n, j_n, smem, on_chip_row);
-  }
-  const float* row_scores = scores ? scores + t * s_n : on_chip_row;
-  __syncthreads();
-
-  uint64_t* sel = reinterpret_cast<uint64_t*>(smem);  // the kept entries' sort keys (the scoring region is free)
-
-  // (2) radix select: the key of the kept-th largest score.
+  const int kept = static_cast<int>(min(k_n, visible));
+  const int capacity = static_cast<int>(PoolCapacity(k_n));
+  uint64_t* pool = reinterpret_cast<uint64_t*>(smem + (scores ? 0 : RegionBytes(i_n, j_n)));
   if (threadIdx.x == 0) {
-    prefix = 0;
-    want_mask = 0;
-    remaining = static_cast<uint32_t>(kept);
-    settled = 0;
+    sel.count = 0;
+    sel.bound = 0;  // every candidate's key is above 0 (its low half is ~candidate >= 2^31)
   }
   __syncthreads();
-  for (int shift = 24; kept > 0 && shift >= 0 && !settled; shift -= 8) {
-    hist[threadIdx.x] = 0;
-    __syncthreads();
-    for (int64_t s = threadIdx.x; s < visible; s += kThreads) {
-      const uint32_t key = OrderKey(row_scores[s]);
-      if ((key & want_mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xffu], 1u);
+  if (kept > 0) {  // (the same at every thread)
+    if (!scores) {
+      PoolSink sink{sel, pool, capacity, static_cast<int>(k_n)};
+      Scores<kScorer>(q, q_type, w, keys, page_table, p_n, epp, t, 0, visible, i_n, j_n, smem, sink);
+    } else {
+      const float* row = scores + t * s_n;
+      for (int64_t base = 0; base < visible; base += kThreads) {
+        const int64_t s = base + threadIdx.x;
+        Append(sel, pool, s < visible ? SortKey(row[s], s) : 0, s < visible);
+        AfterStep(sel, pool, capacity, static_cast<int>(k_n), kThreads);
+      }
     }
+    __syncthreads();  // the last appends done
+    const int n = static_cast<int>(sel.count);
+    if (n > kept) KeepLargest(sel, pool, n, kept);
+    // Bitonic sort of the kept keys, padded to a power of two (at least one warp segment) with
+    // zeros, which sort last.
+    const int n_sort = SortLength(kept);
+    for (int e = kept + threadIdx.x; e < n_sort; e += kThreads) pool[e] = 0;
     __syncthreads();
-    FindBin(hist, shift, warp_counts, &prefix, &want_mask, &remaining, &settled);
-    __syncthreads();
+    SortKeys(pool, n_sort);
   }
-  // Keys compare on the bits decided so far (all 32 unless a pass settled early): `threshold`
-  // is the (masked) key of the kept-th largest, and `remaining` of its equals are kept.
-  const uint32_t mask = want_mask, threshold = prefix;
-
-  // (3) collect the sort keys into `sel`: every score above the threshold; of those equal to it
-  // all when exactly `remaining` are (the usual case), else the lowest-numbered `remaining`,
-  // chunk by chunk in candidate order.
-  if (threadIdx.x == 0) {
-    n_above = 0;
-    n_equal = 0;
-    n_equal_taken = 0;
-  }
-  __syncthreads();
-  for (int64_t s = threadIdx.x; kept > 0 && s < visible; s += kThreads) {
-    const uint32_t key = OrderKey(row_scores[s]) & mask;
-    if (key > threshold) {
-      const uint32_t at = atomicAdd(&n_above, 1u);
-      sel[at] = SortKey(row_scores[s], s);
-    } else if (key == threshold) {
-      atomicAdd(&n_equal, 1u);
-    }
-  }
-  __syncthreads();
-  const bool all_equals = n_equal == remaining;
-  for (int64_t s = threadIdx.x; kept > 0 && all_equals && s < visible; s += kThreads) {
-    if ((OrderKey(row_scores[s]) & mask) == threshold) {
-      const uint32_t at = n_above + atomicAdd(&n_equal_taken, 1u);
-      sel[at] = SortKey(row_scores[s], s);
-    }
-  }
-  for (int64_t base = 0; kept > 0 && !all_equals && base < visible; base += kThreads) {
-    const int64_t s = base + threadIdx.x;
-    const bool eq = s < visible && (OrderKey(row_scores[s]) & mask) == threshold;
-    const uint32_t ballot = __ballot_sync(0xffffffffu, eq);
-    if (lane == 0) warp_counts[warp] = __popc(ballot);
-    __syncthreads();
-    uint32_t before = n_equal_taken;
-    for (int v = 0; v < warp; ++v) before += warp_counts[v];
-    before += __popc(ballot & ((1u << lane) - 1u));
-    if (eq && before < remaining) {
-      const uint32_t at = n_above + before;
-      sel[at] = SortKey(row_scores[s], s);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      for (int v = 0; v < kWarps; ++v) n_equal_taken += warp_counts[v];
-    }
-    __syncthreads();
-  }
-  __syncthreads();
-
-  // (4) bitonic sort of the kept entries (padded to a power of two, at least one warp segment,
-  // with keys that sort last).
-  const int n_sort = SortLength(kept);
-  for (int e = static_cast<int>(kept) + threadIdx.x; e < n_sort; e += kThreads) sel[e] = 0;
-  __syncthreads();
-  SortKeys(sel, n_sort);
-  for (int64_t k = threadIdx.x; k < k_n; k += kThreads) ids[t * k_n + k] = k < kept ? CandidateOf(sel[k]) : -1;
+  for (int64_t k = threadIdx.x; k < k_n; k += kThreads) ids[t * k_n + k] = k < kept ? CandidateOf(pool[k]) : -1;
 }
 
 // How these arguments are scored (Scorer).
@@ -572,10 +639,6 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
   if (RegionBytes(a.i, a.j) > kMaxSmemBytes) {
     return Invalid("indexer heads x head dim exceed the CUDA kernel's shared memory");
   }
-  const bool on_chip = a.s <= Dsv4IndexerOnChipCandidates(a.i, a.j);
-  if (!on_chip && !a.scratch) {
-    return Invalid("the score rows do not fit in shared memory: pass a scores scratch [T, S]");
-  }
   if (a.t == 0 || a.k == 0) return ffi::Error::Success();
   const int scorer = static_cast<int>(ScorerFor(a));
   const size_t region = RegionBytes(a.i, a.j);
@@ -591,24 +654,21 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
                                               scores->typed_data(), a.i, a.j, per_block);
     if (auto e = LastCudaError("IndexerScoreKernel"); e.failure()) return e;
     auto* select = kTopkKernels[scorer];
-    select<<<static_cast<unsigned>(a.t), kThreads, region, stream>>>(
+    select<<<static_cast<unsigned>(a.t), kThreads, PoolBytes(a.k), stream>>>(
         q.untyped_data(), a.q_type, w.typed_data(), a.keys, page_table.typed_data(), a.p, a.epp, limit.typed_data(),
         scores->typed_data(), ids->typed_data(), a.i, a.j, a.k);
     return LastCudaError("IndexerTopkKernel");
   }
   auto* kernel = kTopkKernels[scorer];
-  // Once per process and kernel: allow the device's whole opt-in shared memory (above 48 KB).
+  // Once per process and kernel: allow its largest shared memory (above the 48 KB default).
   static const cudaError_t attr[3] = {
-      cudaFuncSetAttribute(kTopkKernels[0], cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(OptInSharedBytes() - kStaticSharedBytes)),
-      cudaFuncSetAttribute(kTopkKernels[1], cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(OptInSharedBytes() - kStaticSharedBytes)),
-      cudaFuncSetAttribute(kTopkKernels[2], cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(OptInSharedBytes() - kStaticSharedBytes))};
+      cudaFuncSetAttribute(kTopkKernels[0], cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxFusedSmemBytes),
+      cudaFuncSetAttribute(kTopkKernels[1], cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxFusedSmemBytes),
+      cudaFuncSetAttribute(kTopkKernels[2], cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxFusedSmemBytes)};
   if (attr[scorer] != cudaSuccess) {
     return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr[scorer]));
   }
-  kernel<<<static_cast<unsigned>(a.t), kThreads, region + a.s * sizeof(float), stream>>>(
+  kernel<<<static_cast<unsigned>(a.t), kThreads, region + PoolBytes(a.k), stream>>>(
       q.untyped_data(), a.q_type, w.typed_data(), a.keys, page_table.typed_data(), a.p, a.epp, limit.typed_data(),
       nullptr, ids->typed_data(), a.i, a.j, a.k);
   return LastCudaError("IndexerTopkKernel");
@@ -617,23 +677,14 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
 }  // namespace
 }  // namespace dsv4
 
-// The most candidates per query whose score row the CUDA kernel keeps in shared memory on the
-// current device, for i heads of dim j (0 if none fit). Called by the handler and, through
-// ctypes, by dsv4/ops/indexer_topk/ffi.py to decide whether to pass a scores scratch.
-extern "C" int64_t Dsv4IndexerOnChipCandidates(int64_t i, int64_t j) {
-  const int64_t region = static_cast<int64_t>(dsv4::RegionBytes(i, j));
-  const int64_t free = dsv4::OptInSharedBytes() - dsv4::kStaticSharedBytes - region;
-  return free > 0 ? free / static_cast<int64_t>(sizeof(float)) : 0;
-}
-
 // The columns of the scores scratch the caller passes for T queries of S candidates (i heads
-// of dim j): S (scored mode, the file comment) when the score row does not fit on chip, or
-// when fewer queries than multiprocessors would each be one block and the row spans more than
-// one tile; else 0 (fused). Called through ctypes by dsv4/ops/indexer_topk/ffi.py.
+// of dim j): S (scored mode, the file comment) when fewer queries than multiprocessors would
+// each be one block and the row spans more than one tile; else 0 (fused, at any S: its
+// shared memory does not grow with S). Called through ctypes by dsv4/ops/indexer_topk/ffi.py.
 extern "C" int64_t Dsv4IndexerScratchColumns(int64_t t, int64_t s, int64_t i, int64_t j) {
-  const bool beyond_chip = s > Dsv4IndexerOnChipCandidates(i, j);
+  (void)i, (void)j;
   const bool few_queries = t < Dsv4MultiprocessorCount() && s > dsv4::kMmaRows;
-  return beyond_chip || few_queries ? s : 0;
+  return few_queries ? s : 0;
 }
 
 namespace ffi = xla::ffi;
