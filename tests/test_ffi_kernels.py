@@ -302,8 +302,8 @@ def test_indexer_topk_paged_matches_the_reference(fmt, dtype, topk):
 
 
 def _indexer_mode(monkeypatch, mode: str) -> None:
-    """Makes the handler score through a [T, S] scratch ("scored") or keep each score row on chip
-    ("fused"), whatever the shapes would pick."""
+    """Makes the handler score through a [T, S] scratch ("scored") or stream each query's scores
+    into its selection on chip ("fused"), whatever the shapes would pick."""
     monkeypatch.setattr(ffi_kernels, "indexer_scratch_columns",
                         lambda platform, t, s, i, j: s if mode == "scored" else 0)
 
@@ -313,9 +313,8 @@ def _indexer_mode(monkeypatch, mode: str) -> None:
 @pytest.mark.parametrize("topk", [16, 100])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])  # CUDA: tensor-core / scalar scorer
 def test_indexer_topk_fused_and_scored_modes_match_the_reference(monkeypatch, mode, fmt, topk, dtype):
-    # Fused: each query's score row stays on chip. Scored: the scores go through a [T, S]
-    # scratch (on CUDA a separate pass over many blocks, as for decode or beyond the on-chip
-    # limit). 160 candidates are three 64-candidate tiles, the last one partial; repeated pages
+    # Fused: each query's scores stay on chip. Scored: the scores go through a [T, S] scratch
+    # (on CUDA a separate pass over many blocks, as for decode). 160 candidates are three 64-candidate tiles, the last one partial; repeated pages
     # give equal scores, so the selection must break ties by candidate. FP4 keys of dim 128
     # are the model's layout, which the CUDA tensor-core scorer reads on a path of its own.
     _indexer_mode(monkeypatch, mode)
@@ -394,6 +393,34 @@ def test_indexer_topk_streams_a_long_context_through_its_pool(monkeypatch, ascen
     w = jnp.asarray(np.abs(rng.normal(size=(2, i))), jnp.float32)
     page_table = jnp.asarray(np.stack([np.arange(pages), rng.permutation(pages)]), jnp.int32)
     limit = jnp.asarray([rows, rows - 100], jnp.int32)
+    want = indexer_ref.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+    got = indexer_ffi.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_indexer_topk_pairs_a_requests_queries_on_a_long_chunk(monkeypatch):
+    # On CUDA a fused call with at least 4 queries a multiprocessor (a prefill chunk) scores
+    # queries 2b and 2b + 1 in one block, sharing each decoded FP4 key tile, when their page
+    # rows agree over what they see; otherwise one after the other. Here three requests of 301,
+    # 200 and 300 queries (801: the last block has one query): the second's rows agree with the
+    # first's on the first two pages only and its limits stay within them, so pair (300, 301)
+    # spans two requests and is scored together; pair (500, 501) is not. Causal limits differ
+    # within pairs, and every seventh query sees nothing.
+    _indexer_mode(monkeypatch, "fused")
+    rng = np.random.default_rng(11)
+    t, i, pages, epp, topk = 801, 8, 16, 32, 64
+    keys = _table(rng, EntryFormat.INDEX_FP4, 40 * epp, 128, 0, jnp.bfloat16)
+    q = jnp.asarray(rng.normal(size=(t, i, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(t, i)), jnp.float32)
+    first, last = rng.permutation(40)[:pages], rng.permutation(40)[:pages]
+    second = np.concatenate([first[:2], rng.permutation(40)[:pages - 2]])
+    request = np.repeat([0, 1, 2], [301, 200, 300])
+    page_table = jnp.asarray(np.stack([(first, second, last)[r] for r in request]), jnp.int32)
+    limit = rng.integers(0, pages * epp + 1, size=t)
+    limit[request == 1] = rng.integers(0, 2 * epp + 1, size=200)
+    limit[300] = 50
+    limit[::7] = 0
+    limit = jnp.asarray(limit, jnp.int32)
     want = indexer_ref.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
     got = indexer_ffi.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

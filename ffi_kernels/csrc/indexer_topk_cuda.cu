@@ -60,12 +60,15 @@ constexpr int kBytes = kDim / 2;           // packed codes a row
 constexpr int kQuarters = kDim / kBlock;   // 16-byte quarters a row, one scale each
 }  // namespace index_fp4
 
-// Bytes of the scoring inputs in shared memory: q in f32 for the scalar scorer; q and one key
-// tile in bf16 (q's space then being the second key buffer) plus two sets of the head groups'
-// partial sums for the tensor-core one; rounded up to 16 bytes (the pool follows it).
-DSV4_HD size_t RegionBytes(int64_t i, int64_t j) {
+// Bytes of the scoring inputs in shared memory for `queries` (1 or 2) queries scored together:
+// q in f32 for the scalar scorer (one query); for the tensor-core one, two key tiles in bf16
+// (q's space until its fragments are in registers: one query's q and a key tile, or two
+// queries' q) plus two sets of each query's head-group partial sums; rounded up to 16 bytes
+// (the pools follow it).
+DSV4_HD size_t RegionBytes(int64_t i, int64_t j, int queries = 1) {
   const size_t scalar = i * j * sizeof(float);
-  const size_t mma = j <= kMmaMaxDim ? 2 * kMmaRows * (j + kPad) * 2 + 2 * kMmaGroups * kMmaRows * sizeof(float) : 0;
+  const size_t mma =
+      j <= kMmaMaxDim ? 2 * kMmaRows * (j + kPad) * 2 + 2 * queries * kMmaGroups * kMmaRows * sizeof(float) : 0;
   return ((scalar > mma ? scalar : mma) + 15) / 16 * 16;
 }
 
@@ -75,8 +78,11 @@ DSV4_HD size_t RegionBytes(int64_t i, int64_t j) {
 constexpr int64_t kPoolSlack = 1024;
 DSV4_HD constexpr int64_t PoolCapacity(int64_t k) { return k + kPoolSlack; }
 DSV4_HD constexpr size_t PoolBytes(int64_t k) { return static_cast<size_t>(PoolCapacity(k)) * sizeof(uint64_t); }
+// Queries a fused block may score together (they share each decoded key tile; see
+// IndexerTopkKernel), each with its own pool.
+constexpr int kMaxPairedQueries = 2;
 // The fused kernel's largest dynamic shared memory (its opt-in: above the 48 KB default).
-constexpr size_t kMaxFusedSmemBytes = kMaxSmemBytes + PoolBytes(kMaxTopk);
+constexpr size_t kMaxFusedSmemBytes = kMaxSmemBytes + kMaxPairedQueries * PoolBytes(kMaxTopk);
 
 // Larger float -> larger key; -0 and +0 share a key (they tie in the reference).
 __device__ __forceinline__ uint32_t OrderKey(float v) {
@@ -99,24 +105,28 @@ __device__ __forceinline__ int64_t VisibleCandidates(const TableView& keys, cons
   return keys.rows ? min(max(static_cast<int64_t>(limit[t]), int64_t{0}), s_n) : 0;
 }
 
-// Where a scoring loop's scores go (Sink): Emit(s, score, valid) is called by whole warps, the
-// lanes with a candidate marked valid, and Barrier() by the whole block between tiles (it is
-// the block barrier of the loop's pipeline). RowSink writes a score row in global memory (the
-// scored mode's scratch); PoolSink streams them into the selection.
+// Where a scoring loop's scores go (Sink): Emit(u, s, score, valid) is called by whole warps,
+// u being which of the loop's queries (0 but for paired FP4 scoring) and the lanes with a
+// candidate marked valid, and Barrier() by the whole block between tiles (it is the block
+// barrier of the loop's pipeline). RowSink writes a score row in global memory (the scored
+// mode's scratch); PoolSink streams them into the selection.
 struct RowSink {
   float* row;
-  __device__ void Emit(int64_t s, float score, bool valid) {
+  __device__ void Emit(int, int64_t s, float score, bool valid) {
     if (valid) row[s] = score;
   }
   __device__ void Barrier() { __syncthreads(); }
 };
 
-// Scores of candidates [begin, end) of query t into `sink` on tensor cores (the file
-// comment). Warp w: head group w % 4 (heads 16 (w % 4) .. +16) and candidates 32 (w / 4) ..
-// +32 of the tile, as S^T = K Q^T (candidates are the mma's rows, heads its
-// columns), so that a lane's accumulators hold 4 of the group's heads for each of its
-// candidates: their w_i relu(dot) are summed in registers, then over the 4 lanes of a row by
-// two shuffles, and the four head groups' sums are added in a fixed order.
+// Scores of candidates [begin, end) of kQueries queries ts[] (sharing their page-table row;
+// query u sees those below ends[u], end being the largest) into `sink` on tensor cores (the
+// file comment). Warp w: head group w % 4 (heads 16 (w % 4) .. +16) and candidates
+// 32 (w / 4) .. +32 of the tile, for every query, as S^T = K Q^T (candidates are the mma's
+// rows, heads its columns), so that a lane's accumulators hold 4 of the group's heads for
+// each of its candidates: their w_i relu(dot) are summed in registers, then over the 4 lanes
+// of a row by two shuffles, and the four head groups' sums are added in a fixed order. With
+// two queries each key fragment loaded from shared memory feeds both queries' products, and
+// each tile is loaded, decoded and waited for once for both.
 // q's fragments stay in registers for the whole loop, which frees q's shared memory for a
 // second key buffer: while tile n's products run from one buffer, its keys having been decoded
 // during tile n - 1, tile n + 1's keys (loaded into registers a tile ahead) are decoded into
@@ -125,41 +135,48 @@ struct RowSink {
 // quarter u of row r (16 bytes: 32 codes, one scale block) and decodes it with constant
 // offsets (a quarter-warp's 16-byte stores then fall in distinct banks); otherwise each
 // thread loads and decodes four generic 8-value chunks.
-template <bool kIndexFp4, class Sink>
+template <bool kIndexFp4, int kQueries, class Sink>
 __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& keys, const int32_t* page_table,
-                          int64_t p_n, int64_t epp, int64_t t, int64_t begin, int64_t end, int64_t i_n, int64_t j_arg,
-                          unsigned char* smem, Sink& sink) {
-  __shared__ float w_s[kMmaRows];
+                          int64_t p_n, int64_t epp, const int64_t* ts, int64_t begin, const int64_t* ends,
+                          int64_t end, int64_t i_n, int64_t j_arg, unsigned char* smem, Sink& sink) {
+  static_assert(kQueries >= 1 && kQueries <= kMaxPairedQueries, "q's shared memory holds two key tiles");
+  __shared__ float w_s[kQueries][kMmaRows];
   __shared__ int64_t rows_s[2][kMmaRows];  // stored row of each candidate of the tile (-1 past the end)
   const int64_t j_n = kIndexFp4 ? index_fp4::kDim : j_arg;
   const int ld = static_cast<int>(j_n) + kPad;
-  // q [kMmaRows heads][ld] until its fragments are in registers, then the second of the two key
-  // buffers [kMmaRows candidates][ld]; then the head groups' sums [2][kMmaGroups][kMmaRows].
+  // q [kQueries][kMmaRows heads][ld] until its fragments are in registers, then the two key
+  // buffers [kMmaRows candidates][ld] (with one query the first is free from the start); then
+  // the head groups' sums [2][kQueries][kMmaGroups][kMmaRows].
   uint16_t* q_s = reinterpret_cast<uint16_t*>(smem);
   auto key_buffer = [&](int b) { return q_s + (1 - b) * kMmaRows * ld; };
   float* part = reinterpret_cast<float*>(q_s + 2 * kMmaRows * ld);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = warp % kMmaGroups, half = warp / kMmaGroups;
   const int g = lane / 4, c = lane % 4, chunks = static_cast<int>(j_n / 8);
-  const int32_t* pages = page_table + t * p_n;
-  for (int e = threadIdx.x; e < kMmaRows * chunks; e += kThreads) {  // all copies in flight at once
-    const int r = e / chunks, k = 8 * (e % chunks);
+  const int32_t* pages = page_table + ts[0] * p_n;
+  for (int e = threadIdx.x; e < kQueries * kMmaRows * chunks; e += kThreads) {  // all copies in flight at once
+    const int u = e / (kMmaRows * chunks), r = e / chunks % kMmaRows, k = 8 * (e % chunks);
+    uint16_t* dst = q_s + (u * kMmaRows + r) * ld + k;
     if (r < i_n) {
-      CopyAsync16(q_s + r * ld + k, q + (t * i_n + r) * j_n + k);
+      CopyAsync16(dst, q + (ts[u] * i_n + r) * j_n + k);
     } else {
-      *reinterpret_cast<uint4*>(q_s + r * ld + k) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
     }
   }
   if (threadIdx.x < kMmaRows) {
     const int64_t s = begin + threadIdx.x;
-    w_s[threadIdx.x] = threadIdx.x < i_n ? w[t * i_n + threadIdx.x] : 0.0f;
+#pragma unroll
+    for (int u = 0; u < kQueries; ++u) w_s[u][threadIdx.x] = threadIdx.x < i_n ? w[ts[u] * i_n + threadIdx.x] : 0.0f;
     rows_s[0][threadIdx.x] = s < end ? CandidateRow(pages, epp, s, keys.rows) : -1;
   }
   __syncthreads();  // the first tile's rows and w resolved (q is still on its way)
-  float w_head[2][2];  // w of heads 8 h + 2c (+ 1) of this warp's group (the accumulators' columns)
+  float w_head[kQueries][2][2];  // w of heads 8 h + 2c (+ 1) of this warp's group (the accumulators' columns)
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    w_head[h][0] = w_s[group * 16 + 8 * h + 2 * c];
-    w_head[h][1] = w_s[group * 16 + 8 * h + 2 * c + 1];
+  for (int u = 0; u < kQueries; ++u) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      w_head[u][h][0] = w_s[u][group * 16 + 8 * h + 2 * c];
+      w_head[u][h][1] = w_s[u][group * 16 + 8 * h + 2 * c + 1];
+    }
   }
   constexpr int kFill = kMmaRows * (kMmaMaxDim / 8) / kThreads;  // 16-byte chunks per thread per tile
   RawEight raw[kFill];  // generic layout: this thread's chunks of the next tile
@@ -217,17 +234,21 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
   CopyAsyncCommitAndWaitAll();  // this thread's q copies landed
   resolve_rows(rows_s[1], begin + kMmaRows);
   __syncthreads();  // q in shared memory, the second tile's rows resolved
-  // q's B fragments for the whole loop: k-step kk, heads 0-7 of the group (k 16 kk.., 16 kk + 8..),
-  // then heads 8-15.
-  uint32_t qb[kMmaMaxDim / 16][4];
+  // q's B fragments for the whole loop: query u, k-step kk, heads 0-7 of the group (k 16 kk..,
+  // 16 kk + 8..), then heads 8-15.
+  uint32_t qb[kQueries][kMmaMaxDim / 16][4];
   {
     const int mat = lane / 8;  // the ldmatrix matrix this lane addresses
     const uint16_t* q_rows = q_s + (group * 16 + (mat / 2) * 8 + lane % 8) * ld + (mat % 2) * 8;
 #pragma unroll
-    for (int kk = 0; kk < kMmaMaxDim / 16; ++kk) {
-      if (16 * kk < j_n) LdMatrixX4(qb[kk], q_rows + 16 * kk);
+    for (int u = 0; u < kQueries; ++u) {
+#pragma unroll
+      for (int kk = 0; kk < kMmaMaxDim / 16; ++kk) {
+        if (16 * kk < j_n) LdMatrixX4(qb[u][kk], q_rows + u * kMmaRows * ld + 16 * kk);
+      }
     }
   }
+  if constexpr (kQueries > 1) __syncthreads();  // every warp's q read: key buffer 0 is the second query's q
   decode_tile(key_buffer(0), rows_s[0]);
   __syncthreads();  // the first tile decoded; q_s read by every warp (it becomes key buffer 1)
   if (begin + kMmaRows < end) load_tile(rows_s[1]);
@@ -237,8 +258,9 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
   // keys loaded (in flight during the next products) and tile n's scores summed.
   for (int64_t base = begin, n = 0; base < end; base += kMmaRows, ++n) {
     const int b = static_cast<int>(n % 2);
-    // acc[m][h]: candidates 16 m + g (+ 8) of the warp's 32, heads 8 h + 2c (+ 1) of its group.
-    float acc[2][2][4] = {};
+    // acc[u][m][h]: query u, candidates 16 m + g (+ 8) of the warp's 32, heads 8 h + 2c (+ 1)
+    // of its group.
+    float acc[kQueries][2][2][4] = {};
 #pragma unroll
     for (int kk = 0; kk < kMmaMaxDim / 16; ++kk) {
       if (16 * kk < j_n) {
@@ -246,36 +268,43 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
         for (int m = 0; m < 2; ++m) {
           uint32_t ka[4];
           LdMatrixX4(ka, key_buffer(b) + k_rows + m * 16 * ld + 16 * kk);
-          Mma(acc[m][0], ka, qb[kk][0], qb[kk][1]);
-          Mma(acc[m][1], ka, qb[kk][2], qb[kk][3]);
+#pragma unroll
+          for (int u = 0; u < kQueries; ++u) {
+            Mma(acc[u][m][0], ka, qb[u][kk][0], qb[u][kk][1]);
+            Mma(acc[u][m][1], ka, qb[u][kk][2], qb[u][kk][3]);
+          }
         }
       }
     }
-    float* part_b = part + b * kMmaGroups * kMmaRows;
+    float* part_b = part + b * kQueries * kMmaGroups * kMmaRows;
 #pragma unroll
-    for (int m = 0; m < 2; ++m) {
+    for (int u = 0; u < kQueries; ++u) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {  // candidate 16 m + g, then 16 m + g + 8
-        float v = 0.0f;
+      for (int m = 0; m < 2; ++m) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          v += w_head[h][0] * fmaxf(acc[m][h][2 * r], 0.0f);
-          v += w_head[h][1] * fmaxf(acc[m][h][2 * r + 1], 0.0f);
+        for (int r = 0; r < 2; ++r) {  // candidate 16 m + g, then 16 m + g + 8
+          float v = 0.0f;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            v += w_head[u][h][0] * fmaxf(acc[u][m][h][2 * r], 0.0f);
+            v += w_head[u][h][1] * fmaxf(acc[u][m][h][2 * r + 1], 0.0f);
+          }
+          v += __shfl_xor_sync(0xffffffffu, v, 1);
+          v += __shfl_xor_sync(0xffffffffu, v, 2);
+          if (c == 0) part_b[(u * kMmaGroups + group) * kMmaRows + half * 32 + m * 16 + r * 8 + g] = v;
         }
-        v += __shfl_xor_sync(0xffffffffu, v, 1);
-        v += __shfl_xor_sync(0xffffffffu, v, 2);
-        if (c == 0) part_b[group * kMmaRows + half * 32 + m * 16 + r * 8 + g] = v;
       }
     }
     if (base + kMmaRows < end) decode_tile(key_buffer(b ^ 1), rows_s[b ^ 1]);
     resolve_rows(rows_s[b], base + 2 * kMmaRows);
     sink.Barrier();  // tile n's sums written and buffer b read; tile n + 1 decoded; rows of n + 2
     if (base + 2 * kMmaRows < end) load_tile(rows_s[b]);
-    if (threadIdx.x < kMmaRows) {  // warps 0 and 1, whole
-      const int r = threadIdx.x;
-      sink.Emit(base + r,
-                ((part_b[r] + part_b[kMmaRows + r]) + part_b[2 * kMmaRows + r]) + part_b[3 * kMmaRows + r],
-                base + r < end);
+    if (threadIdx.x < kQueries * kMmaRows) {  // whole warps (0 and 1 a query)
+      const int u = threadIdx.x / kMmaRows, r = threadIdx.x % kMmaRows;
+      const float* sums = part_b + u * kMmaGroups * kMmaRows;
+      sink.Emit(u, base + r,
+                ((sums[r] + sums[kMmaRows + r]) + sums[2 * kMmaRows + r]) + sums[3 * kMmaRows + r],
+                base + r < ends[u]);
     }
   }
 }
@@ -311,20 +340,25 @@ __device__ void ScalarScores(const void* q, Elem q_type, const float* w, const T
         total += w[t * i_n + i] * fmaxf(WarpSum(dot), 0.0f);
       }
     }
-    sink.Emit(s, total, lane == 0 && s < end);
+    sink.Emit(0, s, total, lane == 0 && s < end);
     sink.Barrier();
   }
 }
 
-template <Scorer kScorer, class Sink>
+// Scores of candidates [begin, ends[u]) of kQueries queries ts[] (more than one only for the
+// tensor-core scorers, and only for queries with the same page-table row) into `sink`.
+template <Scorer kScorer, int kQueries, class Sink>
 __device__ void Scores(const void* q, Elem q_type, const float* w, const TableView& keys, const int32_t* page_table,
-                       int64_t p_n, int64_t epp, int64_t t, int64_t begin, int64_t end, int64_t i_n, int64_t j_n,
-                       unsigned char* smem, Sink& sink) {
+                       int64_t p_n, int64_t epp, const int64_t* ts, int64_t begin, const int64_t* ends, int64_t i_n,
+                       int64_t j_n, unsigned char* smem, Sink& sink) {
+  int64_t end = ends[0];
+  for (int u = 1; u < kQueries; ++u) end = max(end, ends[u]);
   if constexpr (kScorer != Scorer::kScalar) {
-    MmaScores<kScorer == Scorer::kMmaIndexFp4>(static_cast<const uint16_t*>(q), w, keys, page_table, p_n, epp, t,
-                                               begin, end, i_n, j_n, smem, sink);
+    MmaScores<kScorer == Scorer::kMmaIndexFp4, kQueries>(static_cast<const uint16_t*>(q), w, keys, page_table, p_n,
+                                                         epp, ts, begin, ends, end, i_n, j_n, smem, sink);
   } else {
-    ScalarScores(q, q_type, w, keys, page_table, p_n, epp, t, begin, end, i_n, j_n, smem, sink);
+    static_assert(kQueries == 1, "the scalar scorer scores one query at a time");
+    ScalarScores(q, q_type, w, keys, page_table, p_n, epp, ts[0], begin, end, i_n, j_n, smem, sink);
   }
 }
 
@@ -345,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, ScoreBlocksPerSm(kScorer))
   const int64_t end = min(VisibleCandidates(keys, limit, t, s_n), begin + per_block);
   if (begin >= end) return;
   RowSink sink{scores + t * s_n};
-  Scores<kScorer>(q, q_type, w, keys, page_table, p_n, epp, t, begin, end, i_n, j_n, smem, sink);
+  Scores<kScorer, 1>(q, q_type, w, keys, page_table, p_n, epp, &t, begin, &end, i_n, j_n, smem, sink);
 }
 
 // Selected entries are sorted as one 64-bit key each: the score's order key above the
@@ -538,72 +572,151 @@ __device__ __forceinline__ void Append(Selection& sel, uint64_t* pool, uint64_t 
   if (join) pool[at + __popc(ballot & ((1u << lane) - 1u))] = key;
 }
 
-// The block barrier after a step of the stream, which appended at most `step` keys: when the
-// next step could overflow the pool, it is compacted to its k largest (KeepLargest) behind the
-// barrier. Thread 0 reads the count before the barrier, while up to `step` appends of other
-// warps may still be on their way: with the next step's, 3 x step of room suffices.
-__device__ __forceinline__ void AfterStep(Selection& sel, uint64_t* pool, int capacity, int k, int step) {
-  const uint32_t seen = threadIdx.x == 0 ? *reinterpret_cast<volatile uint32_t*>(&sel.count) : 0u;
-  if (__syncthreads_or(threadIdx.x == 0 && static_cast<int64_t>(seen) + 3 * step > capacity)) {
-    KeepLargest(sel, pool, static_cast<int>(sel.count), k);
+// The block barrier after a step of the stream, which appended at most `step` keys to each of
+// kQueries pools (query u's at pool + u * capacity): when the next step could overflow a pool,
+// it is compacted to its k largest (KeepLargest) behind the barrier. Lane u of warp 0 reads
+// pool u's count before the barrier, while up to `step` appends of other warps may still be on
+// their way: with the next step's, 3 x step of room suffices. The barrier's count carries
+// which pools are full: lanes 2^u - 1 .. 2^(u+1) - 2 vote for pool u, so it sums 2^u over them.
+template <int kQueries>
+__device__ __forceinline__ void AfterStep(Selection* sel, uint64_t* pool, int capacity, int k, int step) {
+  bool vote = false;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const bool full = lane < kQueries &&
+                      static_cast<int64_t>(*reinterpret_cast<volatile uint32_t*>(&sel[lane].count)) + 3 * step >
+                          capacity;
+    const uint32_t fulls = __ballot_sync(0xffffffffu, full);
+    const int u = 31 - __clz(lane + 1);  // floor(log2(lane + 1))
+    vote = u < kQueries && (fulls >> u & 1u);
+  }
+  const int fulls = __syncthreads_count(vote);
+#pragma unroll
+  for (int u = 0; u < kQueries; ++u) {
+    if (fulls >> u & 1) KeepLargest(sel[u], pool + u * capacity, static_cast<int>(sel[u].count), k);
   }
 }
 
-// The fused mode's sink: each score joins the selection as it is computed (MmaScores emits a
-// tile of kMmaRows between barriers, ScalarScores kWarps).
+// The fused mode's sink: each score joins its query's selection as it is computed (MmaScores
+// emits a tile of kMmaRows a query between barriers, ScalarScores kWarps).
+template <int kQueries>
 struct PoolSink {
-  Selection& sel;
+  Selection* sel;
   uint64_t* pool;
   int capacity, k;
-  __device__ void Emit(int64_t s, float score, bool valid) { Append(sel, pool, SortKey(score, s), valid); }
-  __device__ void Barrier() { AfterStep(sel, pool, capacity, k, kMmaRows); }
+  __device__ void Emit(int u, int64_t s, float score, bool valid) {
+    Append(sel[u], pool + u * capacity, SortKey(score, s), valid);
+  }
+  __device__ void Barrier() { AfterStep<kQueries>(sel, pool, capacity, k, kMmaRows); }
 };
 
-// One block per query: its visible candidates' scores, computed here (fused) or read from the
-// scores scratch (scored mode), stream through the pool; then the kept keys are selected,
-// sorted and written as candidate ids (-1 past the visible ones). Its shared memory (~50 KB
-// fused, for FP4 keys and k = 512) would let four blocks share a multiprocessor; registers are
-// capped so that TopkBlocksPerSm(kScorer) do (three with FP4 keys: 80 registers).
-constexpr int TopkBlocksPerSm(Scorer s) { return s == Scorer::kScalar ? 4 : s == Scorer::kMmaIndexFp4 ? 3 : 2; }
-template <Scorer kScorer>
-__global__ void __launch_bounds__(kThreads, TopkBlocksPerSm(kScorer)) IndexerTopkKernel(const void* q, Elem q_type, const float* w, TableView keys, const int32_t* page_table,
-                                  int64_t p_n, int64_t epp, const int32_t* limit, const float* scores, int32_t* ids,
-                                  int64_t i_n, int64_t j_n, int64_t k_n) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ Selection sel;
-  const int64_t t = blockIdx.x, s_n = p_n * epp;
-  const int64_t visible = VisibleCandidates(keys, limit, t, s_n);
-  const int kept = static_cast<int>(min(k_n, visible));
+// Queries ts[0 .. kQueries) (the same page-table row where more than one): their visible
+// candidates' scores, computed here (fused) or read from the scores scratch (scored mode, one
+// query), stream through each query's pool; then each query's kept keys are selected, sorted
+// and written as candidate ids (-1 past the visible ones). Block-wide; `sel` and the pools
+// (from `pool`, PoolCapacity(k_n) each) are the caller's shared memory.
+template <Scorer kScorer, int kQueries>
+__device__ void SelectTopk(const void* q, Elem q_type, const float* w, const TableView& keys,
+                           const int32_t* page_table, int64_t p_n, int64_t epp, const int32_t* limit,
+                           const float* scores, int32_t* ids, int64_t i_n, int64_t j_n, int64_t k_n, const int64_t* ts,
+                           unsigned char* smem, Selection* sel, uint64_t* pool) {
+  const int64_t s_n = p_n * epp;
   const int capacity = static_cast<int>(PoolCapacity(k_n));
-  uint64_t* pool = reinterpret_cast<uint64_t*>(smem + (scores ? 0 : RegionBytes(i_n, j_n)));
-  if (threadIdx.x == 0) {
-    sel.count = 0;
-    sel.bound = 0;  // every candidate's key is above 0 (its low half is ~candidate >= 2^31)
+  int64_t visible[kQueries];
+  int kept[kQueries], most = 0;
+#pragma unroll
+  for (int u = 0; u < kQueries; ++u) {
+    visible[u] = VisibleCandidates(keys, limit, ts[u], s_n);
+    kept[u] = static_cast<int>(min(k_n, visible[u]));
+    most = max(most, kept[u]);
+  }
+  if (threadIdx.x < kQueries) {
+    sel[threadIdx.x].count = 0;
+    sel[threadIdx.x].bound = 0;  // every candidate's key is above 0 (its low half is ~candidate >= 2^31)
   }
   __syncthreads();
-  if (kept > 0) {  // (the same at every thread)
+  if (most > 0) {  // (the same at every thread)
     if (!scores) {
-      PoolSink sink{sel, pool, capacity, static_cast<int>(k_n)};
-      Scores<kScorer>(q, q_type, w, keys, page_table, p_n, epp, t, 0, visible, i_n, j_n, smem, sink);
-    } else {
-      const float* row = scores + t * s_n;
-      for (int64_t base = 0; base < visible; base += kThreads) {
+      PoolSink<kQueries> sink{sel, pool, capacity, static_cast<int>(k_n)};
+      Scores<kScorer, kQueries>(q, q_type, w, keys, page_table, p_n, epp, ts, 0, visible, i_n, j_n, smem, sink);
+    } else if constexpr (kQueries == 1) {  // scored mode (never paired)
+      const float* row = scores + ts[0] * s_n;
+      for (int64_t base = 0; base < visible[0]; base += kThreads) {
         const int64_t s = base + threadIdx.x;
-        Append(sel, pool, s < visible ? SortKey(row[s], s) : 0, s < visible);
-        AfterStep(sel, pool, capacity, static_cast<int>(k_n), kThreads);
+        Append(sel[0], pool, s < visible[0] ? SortKey(row[s], s) : 0, s < visible[0]);
+        AfterStep<1>(sel, pool, capacity, static_cast<int>(k_n), kThreads);
       }
     }
     __syncthreads();  // the last appends done
-    const int n = static_cast<int>(sel.count);
-    if (n > kept) KeepLargest(sel, pool, n, kept);
-    // Bitonic sort of the kept keys, padded to a power of two (at least one warp segment) with
-    // zeros, which sort last.
-    const int n_sort = SortLength(kept);
-    for (int e = kept + threadIdx.x; e < n_sort; e += kThreads) pool[e] = 0;
-    __syncthreads();
-    SortKeys(pool, n_sort);
   }
-  for (int64_t k = threadIdx.x; k < k_n; k += kThreads) ids[t * k_n + k] = k < kept ? CandidateOf(pool[k]) : -1;
+#pragma unroll
+  for (int u = 0; u < kQueries; ++u) {
+    uint64_t* kept_keys = pool + u * capacity;
+    if (kept[u] > 0) {  // (the same at every thread)
+      const int n = static_cast<int>(sel[u].count);
+      if (n > kept[u]) KeepLargest(sel[u], kept_keys, n, kept[u]);
+      // Bitonic sort of the kept keys, padded to a power of two (at least one warp segment)
+      // with zeros, which sort last.
+      const int n_sort = SortLength(kept[u]);
+      for (int e = kept[u] + threadIdx.x; e < n_sort; e += kThreads) kept_keys[e] = 0;
+      __syncthreads();
+      SortKeys(kept_keys, n_sort);
+    }
+    for (int64_t k = threadIdx.x; k < k_n; k += kThreads) {
+      ids[ts[u] * k_n + k] = k < kept[u] ? CandidateOf(kept_keys[k]) : -1;
+    }
+  }
+}
+
+// Whether queries t0 and t1 have the same page-table row over their first `pages` pages.
+// Block-wide.
+__device__ bool SamePages(const int32_t* page_table, int64_t p_n, int64_t t0, int64_t t1, int64_t pages) {
+  bool same = true;
+  for (int64_t p = threadIdx.x; p < pages; p += kThreads) same &= page_table[t0 * p_n + p] == page_table[t1 * p_n + p];
+  return __syncthreads_and(same);
+}
+
+// The selection kernel: block b selects queries kQueries b .. +kQueries (SelectTopk). Paired
+// (kQueries = 2, fused FP4 scoring on a long chunk; see the launch): two queries with the same
+// page-table row over what they see (a request's consecutive chunk tokens) are scored together,
+// each decoded key tile serving both; otherwise they run one after the other. Its shared
+// memory (~50 KB fused for FP4 keys and k = 512, ~63 KB paired) would let three or four
+// blocks share a multiprocessor; registers are capped so that TopkBlocksPerSm do (three with
+// FP4 keys: 80 registers; two paired: 128).
+constexpr int TopkBlocksPerSm(Scorer s, int queries) {
+  return queries > 1 ? 2 : s == Scorer::kScalar ? 4 : s == Scorer::kMmaIndexFp4 ? 3 : 2;
+}
+template <Scorer kScorer, int kQueries>
+__global__ void __launch_bounds__(kThreads, TopkBlocksPerSm(kScorer, kQueries))
+    IndexerTopkKernel(const void* q, Elem q_type, const float* w, TableView keys, const int32_t* page_table,
+                      int64_t p_n, int64_t epp, const int32_t* limit, const float* scores, int32_t* ids, int64_t t_n,
+                      int64_t i_n, int64_t j_n, int64_t k_n) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ Selection sel[kQueries];
+  auto* pool = reinterpret_cast<uint64_t*>(smem + (scores ? 0 : RegionBytes(i_n, j_n, kQueries)));
+  const int64_t t0 = kQueries * static_cast<int64_t>(blockIdx.x);
+  if constexpr (kQueries == 1) {
+    SelectTopk<kScorer, 1>(q, q_type, w, keys, page_table, p_n, epp, limit, scores, ids, i_n, j_n, k_n, &t0, smem,
+                           sel, pool);
+  } else {
+    static_assert(kQueries == 2, "queries are paired");
+    const int64_t ts[2] = {t0, t0 + 1}, s_n = p_n * epp;
+    bool paired = false;
+    if (ts[1] < t_n) {  // (the same at every thread)
+      const int64_t seen = max(VisibleCandidates(keys, limit, ts[0], s_n), VisibleCandidates(keys, limit, ts[1], s_n));
+      paired = SamePages(page_table, p_n, ts[0], ts[1], (seen + epp - 1) / epp);
+    }
+    if (paired) {
+      SelectTopk<kScorer, 2>(q, q_type, w, keys, page_table, p_n, epp, limit, scores, ids, i_n, j_n, k_n, ts, smem,
+                             sel, pool);
+    } else {
+      for (int u = 0; u < 2 && ts[u] < t_n; ++u) {
+        if (u > 0) __syncthreads();  // the first query's ids read from its pool
+        SelectTopk<kScorer, 1>(q, q_type, w, keys, page_table, p_n, epp, limit, scores, ids, i_n, j_n, k_n, &ts[u],
+                               smem, sel, pool);
+      }
+    }
+  }
 }
 
 // How these arguments are scored (Scorer).
@@ -618,11 +731,15 @@ Scorer ScorerFor(const IndexerArgs& a) {
   return index_fp4 ? Scorer::kMmaIndexFp4 : Scorer::kMma;
 }
 
-// The kernels of each scorer, in Scorer's order.
+// The kernels of each scorer, in Scorer's order (the selection kernel one query a block), and
+// the paired selection kernel (FP4 keys only: the generic tensor-core scorer's next-tile
+// chunks leave no registers for a second query's fragments).
 constexpr decltype(&IndexerScoreKernel<Scorer::kScalar>) kScoreKernels[] = {
     IndexerScoreKernel<Scorer::kScalar>, IndexerScoreKernel<Scorer::kMma>, IndexerScoreKernel<Scorer::kMmaIndexFp4>};
-constexpr decltype(&IndexerTopkKernel<Scorer::kScalar>) kTopkKernels[] = {
-    IndexerTopkKernel<Scorer::kScalar>, IndexerTopkKernel<Scorer::kMma>, IndexerTopkKernel<Scorer::kMmaIndexFp4>};
+constexpr decltype(&IndexerTopkKernel<Scorer::kScalar, 1>) kTopkKernels[] = {
+    IndexerTopkKernel<Scorer::kScalar, 1>, IndexerTopkKernel<Scorer::kMma, 1>,
+    IndexerTopkKernel<Scorer::kMmaIndexFp4, 1>};
+constexpr auto kPairedTopkKernel = IndexerTopkKernel<Scorer::kMmaIndexFp4, kMaxPairedQueries>;
 
 ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer key_values,
                            ffi::AnyBuffer key_scales, ffi::AnyBuffer key_rope, ffi::Buffer<ffi::S32> page_table,
@@ -640,37 +757,42 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
     return Invalid("indexer heads x head dim exceed the CUDA kernel's shared memory");
   }
   if (a.t == 0 || a.k == 0) return ffi::Error::Success();
-  const int scorer = static_cast<int>(ScorerFor(a));
-  const size_t region = RegionBytes(a.i, a.j);
+  const Scorer scorer = ScorerFor(a);
+  const int kernel_index = static_cast<int>(scorer);
+  static const int64_t sms = std::max<int64_t>(Dsv4MultiprocessorCount(), 1);  // once per process
   if (a.scratch) {  // scored mode: the scores over many blocks, then the selection
     // Tiles per block: as few as keep the grid in one wave of resident blocks.
-    auto* score = kScoreKernels[scorer];
-    static const int64_t sms = std::max<int64_t>(Dsv4MultiprocessorCount(), 1);  // once per process
-    const int64_t slots = ScoreBlocksPerSm(static_cast<Scorer>(scorer)) * sms, tiles = (a.s + kMmaRows - 1) / kMmaRows;
+    const int64_t slots = ScoreBlocksPerSm(scorer) * sms, tiles = (a.s + kMmaRows - 1) / kMmaRows;
     const int64_t per_block = kMmaRows * std::max<int64_t>(1, (a.t * tiles + slots - 1) / slots);
     const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.s + per_block - 1) / per_block));
-    score<<<grid, kThreads, region, stream>>>(q.untyped_data(), a.q_type, w.typed_data(), a.keys,
-                                              page_table.typed_data(), a.p, a.epp, limit.typed_data(),
-                                              scores->typed_data(), a.i, a.j, per_block);
-    if (auto e = LastCudaError("IndexerScoreKernel"); e.failure()) return e;
-    auto* select = kTopkKernels[scorer];
-    select<<<static_cast<unsigned>(a.t), kThreads, PoolBytes(a.k), stream>>>(
+    kScoreKernels[kernel_index]<<<grid, kThreads, RegionBytes(a.i, a.j), stream>>>(
         q.untyped_data(), a.q_type, w.typed_data(), a.keys, page_table.typed_data(), a.p, a.epp, limit.typed_data(),
-        scores->typed_data(), ids->typed_data(), a.i, a.j, a.k);
+        scores->typed_data(), a.i, a.j, per_block);
+    if (auto e = LastCudaError("IndexerScoreKernel"); e.failure()) return e;
+    kTopkKernels[kernel_index]<<<static_cast<unsigned>(a.t), kThreads, PoolBytes(a.k), stream>>>(
+        q.untyped_data(), a.q_type, w.typed_data(), a.keys, page_table.typed_data(), a.p, a.epp, limit.typed_data(),
+        scores->typed_data(), ids->typed_data(), a.t, a.i, a.j, a.k);
     return LastCudaError("IndexerTopkKernel");
   }
-  auto* kernel = kTopkKernels[scorer];
+  // Fused. Paired (FP4 keys) when the pairs alone give every multiprocessor its resident
+  // blocks: with fewer queries, one query a block finishes sooner.
+  const bool paired = scorer == Scorer::kMmaIndexFp4 &&
+                      a.t >= kMaxPairedQueries * TopkBlocksPerSm(scorer, kMaxPairedQueries) * sms;
+  const int queries = paired ? kMaxPairedQueries : 1;
+  auto* kernel = paired ? kPairedTopkKernel : kTopkKernels[kernel_index];
   // Once per process and kernel: allow its largest shared memory (above the 48 KB default).
-  static const cudaError_t attr[3] = {
+  static const cudaError_t attr[4] = {
       cudaFuncSetAttribute(kTopkKernels[0], cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxFusedSmemBytes),
       cudaFuncSetAttribute(kTopkKernels[1], cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxFusedSmemBytes),
-      cudaFuncSetAttribute(kTopkKernels[2], cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxFusedSmemBytes)};
-  if (attr[scorer] != cudaSuccess) {
-    return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr[scorer]));
+      cudaFuncSetAttribute(kTopkKernels[2], cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxFusedSmemBytes),
+      cudaFuncSetAttribute(kPairedTopkKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxFusedSmemBytes)};
+  if (const cudaError_t e = attr[paired ? 3 : kernel_index]; e != cudaSuccess) {
+    return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(e));
   }
-  kernel<<<static_cast<unsigned>(a.t), kThreads, region + PoolBytes(a.k), stream>>>(
-      q.untyped_data(), a.q_type, w.typed_data(), a.keys, page_table.typed_data(), a.p, a.epp, limit.typed_data(),
-      nullptr, ids->typed_data(), a.i, a.j, a.k);
+  const int64_t blocks = (a.t + queries - 1) / queries;
+  kernel<<<static_cast<unsigned>(blocks), kThreads, RegionBytes(a.i, a.j, queries) + queries * PoolBytes(a.k),
+           stream>>>(q.untyped_data(), a.q_type, w.typed_data(), a.keys, page_table.typed_data(), a.p, a.epp,
+                     limit.typed_data(), nullptr, ids->typed_data(), a.t, a.i, a.j, a.k);
   return LastCudaError("IndexerTopkKernel");
 }
 
