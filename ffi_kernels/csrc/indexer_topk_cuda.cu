@@ -27,6 +27,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cute/arch/mma_sm90_gmma.hpp>
 
 #include "cuda_common.h"
 #include "cuda_tiles.h"
@@ -81,8 +82,6 @@ DSV4_HD constexpr size_t PoolBytes(int64_t k) { return static_cast<size_t>(PoolC
 // Queries a fused block may score together (they share each decoded key tile; see
 // IndexerTopkKernel), each with its own pool.
 constexpr int kMaxPairedQueries = 2;
-// The fused kernel's largest dynamic shared memory (its opt-in: above the 48 KB default).
-constexpr size_t kMaxFusedSmemBytes = kMaxSmemBytes + kMaxPairedQueries * PoolBytes(kMaxTopk);
 
 // Larger float -> larger key; -0 and +0 share a key (they tie in the reference).
 __device__ __forceinline__ uint32_t OrderKey(float v) {
@@ -104,6 +103,30 @@ __device__ __forceinline__ int64_t VisibleCandidates(const TableView& keys, cons
                                                      int64_t s_n) {
   return keys.rows ? min(max(static_cast<int64_t>(limit[t]), int64_t{0}), s_n) : 0;
 }
+
+// One thread's share of an FP4 key tile (the model's layout): quarter `quarter` of a row (16
+// bytes: 32 codes, one E8M0 scale block), loaded a tile ahead into registers and decoded into
+// four 8-value bf16 chunks (zeros for an empty slot, row -1).
+struct Fp4Quarter {
+  uint4 codes;
+  uint8_t scale;
+  __device__ __forceinline__ void Load(const TableView& keys, int64_t row, int quarter) {
+    codes = make_uint4(0, 0, 0, 0);  // decodes to zeros
+    scale = 127;
+    if (row >= 0) {
+      codes = *reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(keys.values) +
+                                              row * index_fp4::kBytes + 16 * quarter);
+      scale = keys.scales[row * index_fp4::kQuarters + quarter];
+    }
+  }
+  __device__ __forceinline__ void Decode(uint4 (&out)[4]) const {
+    const E2m1Scale s = E2m1ScaleOf(scale);
+    out[0] = E2m1EightToBf16(codes.x, s);
+    out[1] = E2m1EightToBf16(codes.y, s);
+    out[2] = E2m1EightToBf16(codes.z, s);
+    out[3] = E2m1EightToBf16(codes.w, s);
+  }
+};
 
 // Where a scoring loop's scores go (Sink): Emit(u, s, score, valid) is called by whole warps,
 // u being which of the loop's queries (0 but for paired FP4 scoring) and the lanes with a
@@ -180,20 +203,11 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
   }
   constexpr int kFill = kMmaRows * (kMmaMaxDim / 8) / kThreads;  // 16-byte chunks per thread per tile
   RawEight raw[kFill];  // generic layout: this thread's chunks of the next tile
-  uint4 codes;          // FP4 layout: this thread's quarter row of the next tile, and its scale
-  uint8_t codes_scale;
+  Fp4Quarter fp4;       // FP4 layout: this thread's quarter row of the next tile
   auto load_tile = [&](const int64_t* rows) {
     if constexpr (kIndexFp4) {
       static_assert(kMmaRows * index_fp4::kQuarters == kThreads, "one quarter row a thread");
-      const int quarter = threadIdx.x / kMmaRows;
-      const int64_t row = rows[threadIdx.x % kMmaRows];
-      codes = make_uint4(0, 0, 0, 0);  // decodes to zeros
-      codes_scale = 127;
-      if (row >= 0) {
-        codes = *reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(keys.values) +
-                                                row * index_fp4::kBytes + 16 * quarter);
-        codes_scale = keys.scales[row * index_fp4::kQuarters + quarter];
-      }
+      fp4.Load(keys, rows[threadIdx.x % kMmaRows], threadIdx.x / kMmaRows);
     } else {
 #pragma unroll
       for (int u = 0; u < kFill; ++u) {
@@ -206,13 +220,12 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
   // The decode of the loaded tile into `dst` (generic layout: zeros for empty slots, `rows`).
   auto decode_tile = [&](uint16_t* dst, const int64_t* rows) {
     if constexpr (kIndexFp4) {
-      const E2m1Scale scale = E2m1ScaleOf(codes_scale);
       const int quarter_row = threadIdx.x % kMmaRows, quarter = threadIdx.x / kMmaRows;
+      uint4 chunks[4];
+      fp4.Decode(chunks);
       uint4* out = reinterpret_cast<uint4*>(dst + quarter_row * ld + index_fp4::kBlock * quarter);
-      out[0] = E2m1EightToBf16(codes.x, scale);
-      out[1] = E2m1EightToBf16(codes.y, scale);
-      out[2] = E2m1EightToBf16(codes.z, scale);
-      out[3] = E2m1EightToBf16(codes.w, scale);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) out[e] = chunks[e];
     } else {
 #pragma unroll
       for (int u = 0; u < kFill; ++u) {
@@ -309,6 +322,154 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
   }
 }
 
+// Paired FP4 scoring on SM90 with wgmma (the file comment): warpgroup u scores query ts[u] as
+// S^T = K Q^T over each 64-candidate tile, m64n64k16 with both operands read from shared
+// memory, so q stays there and the accumulators (32 a thread) hold all 64 heads of the
+// warp's 16 candidates: the ReLU-weighted head sum needs no other warp. The products are
+// asynchronous: while tile n's run from one key buffer, the block decodes tile n + 1 into the
+// other (its keys loaded into registers a tile ahead), then waits for them.
+// Shared memory holds the operands in the no-swizzle K-major layout (8 x 16-byte core
+// matrices): row r, 16-byte chunk c (8 values) of a 64 x 128 tile at byte
+// ((r / 8) * 16 + c) * 128 + (r % 8) * 16, so a k-step of 16 is two chunks 128 bytes apart
+// (the leading byte offset) and 8-row groups are 2048 bytes apart (the stride byte offset).
+// The decode's 16-byte stores of 8 consecutive rows fill one 128-byte line: conflict-free.
+namespace wgmma {
+constexpr int kTileBytes = kMmaRows * index_fp4::kDim * 2;  // a 64 x 128 bf16 tile
+// q (two queries) and two key buffers.
+constexpr size_t kRegionBytes = 2 * kTileBytes + 2 * kTileBytes;
+
+// Whether this compilation's paired FP4 scoring is WgmmaPairScores (SM90a code) or MmaScores
+// (the host asks PairedWgmmaOnDevice).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+constexpr bool kPaired = true;
+constexpr int kCoreBytes = 128, kGroupBytes = (index_fp4::kDim / 8) * kCoreBytes;
+
+__device__ __forceinline__ int ChunkOffset(int r, int c) { return (r / 8) * kGroupBytes + c * kCoreBytes + (r % 8) * 16; }
+
+// The matrix descriptor of k-step kk of the tile at `tile` (no swizzle).
+__device__ __forceinline__ uint64_t Descriptor(const unsigned char* tile, int kk) {
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(tile + kk * 2 * kCoreBytes));
+  return static_cast<uint64_t>((address >> 4) & 0x3fff) | static_cast<uint64_t>(kCoreBytes >> 4) << 16 |
+         static_cast<uint64_t>(kGroupBytes >> 4) << 32;
+}
+
+// Makes this thread's generic-proxy shared-memory writes visible to wgmma's (async proxy) reads
+// that follow a barrier.
+__device__ __forceinline__ void FenceSharedForAsyncProxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+#else
+constexpr bool kPaired = false;
+#endif
+}  // namespace wgmma
+
+// The fused kernel's scoring region for `queries` queries a block: wgmma's operands where the
+// paired FP4 scoring runs on wgmma, else RegionBytes.
+DSV4_HD size_t FusedRegionBytes(int64_t i, int64_t j, int queries, bool paired_wgmma) {
+  return queries > 1 && paired_wgmma ? wgmma::kRegionBytes : RegionBytes(i, j, queries);
+}
+
+template <class Sink>
+__device__ void WgmmaPairScores(const uint16_t* q, const float* w, const TableView& keys, const int32_t* page_table,
+                                int64_t p_n, int64_t epp, const int64_t* ts, int64_t begin, const int64_t* ends,
+                                int64_t end, int64_t i_n, unsigned char* smem, Sink& sink) {
+#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  __trap();  // compiled out: wgmma::kPaired is false here
+#else
+  using namespace wgmma;
+  __shared__ int64_t rows_s[2][kMmaRows];  // stored row of each candidate of the tile (-1 past the end)
+  unsigned char* q_s = smem;  // [2 queries][64 heads][128], core-matrix layout
+  auto key_buffer = [&](int b) { return smem + (2 + b) * kTileBytes; };
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, u = warp / 4, g = lane / 4, c = lane % 4;
+  const int row0 = 16 * (warp % 4) + g;  // this lane's candidates: row0 and row0 + 8 of the tile
+  const int32_t* pages = page_table + ts[0] * p_n;
+  constexpr int kChunks = index_fp4::kDim / 8;
+  for (int e = threadIdx.x; e < 2 * kMmaRows * kChunks; e += kThreads) {  // all copies in flight at once
+    const int v = e / (kMmaRows * kChunks), r = e / kChunks % kMmaRows, k = e % kChunks;
+    unsigned char* dst = q_s + v * kTileBytes + ChunkOffset(r, k);
+    if (r < i_n) {
+      CopyAsync16(dst, q + (ts[v] * i_n + r) * index_fp4::kDim + 8 * k);
+    } else {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  // w of heads 8 j + 2c (+ 1), the accumulators' columns (0 for padded heads).
+  float w_head[8][2];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int head = 8 * j + 2 * c + h;
+      w_head[j][h] = head < i_n ? w[ts[u] * i_n + head] : 0.0f;
+    }
+  }
+  auto resolve_rows = [&](int64_t* rows, int64_t tile_begin) {
+    if (threadIdx.x < kMmaRows) {
+      const int64_t s = tile_begin + threadIdx.x;
+      rows[threadIdx.x] = s < end ? CandidateRow(pages, epp, s, keys.rows) : -1;
+    }
+  };
+  Fp4Quarter fp4;  // this thread's quarter row of the next tile
+  const int quarter_row = threadIdx.x % kMmaRows, quarter = threadIdx.x / kMmaRows;
+  auto load_tile = [&](const int64_t* rows) { fp4.Load(keys, rows[quarter_row], quarter); };
+  auto decode_tile = [&](unsigned char* dst) {
+    uint4 chunks[4];
+    fp4.Decode(chunks);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) *reinterpret_cast<uint4*>(dst + ChunkOffset(quarter_row, 4 * quarter + e)) = chunks[e];
+  };
+  resolve_rows(rows_s[0], begin);
+  __syncthreads();  // the first tile's rows resolved
+  load_tile(rows_s[0]);
+  CopyAsyncCommitAndWaitAll();  // this thread's q copies landed
+  resolve_rows(rows_s[1], begin + kMmaRows);
+  decode_tile(key_buffer(0));
+  FenceSharedForAsyncProxy();
+  __syncthreads();  // q and the first tile in shared memory; the second tile's rows resolved
+  if (begin + kMmaRows < end) load_tile(rows_s[1]);
+  const unsigned char* q_u = q_s + u * kTileBytes;
+  // Tile n: products from buffer n % 2 issued; tile n + 1 decoded into the other and tile
+  // n + 2's rows resolved while they run; wait; scores emitted; one barrier; tile n + 2 loaded.
+  for (int64_t base = begin, n = 0; base < end; base += kMmaRows, ++n) {
+    const int b = static_cast<int>(n % 2);
+    float acc[32];
+#pragma unroll
+    for (int e = 0; e < 32; ++e) cute::warpgroup_fence_operand(acc[e]);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < index_fp4::kDim / 16; ++kk) {
+      cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>::fma(
+          Descriptor(key_buffer(b), kk), Descriptor(q_u, kk), acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6],
+          acc[7], acc[8], acc[9], acc[10], acc[11], acc[12], acc[13], acc[14], acc[15], acc[16], acc[17], acc[18],
+          acc[19], acc[20], acc[21], acc[22], acc[23], acc[24], acc[25], acc[26], acc[27], acc[28], acc[29], acc[30],
+          acc[31], kk == 0 ? cute::SM90::GMMA::ScaleOut::Zero : cute::SM90::GMMA::ScaleOut::One);
+    }
+    cute::warpgroup_commit_batch();
+    if (base + kMmaRows < end) {
+      decode_tile(key_buffer(b ^ 1));
+      FenceSharedForAsyncProxy();
+    }
+    resolve_rows(rows_s[b], base + 2 * kMmaRows);
+    cute::warpgroup_wait<0>();
+#pragma unroll
+    for (int e = 0; e < 32; ++e) cute::warpgroup_fence_operand(acc[e]);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // candidate row0, then row0 + 8: acc[4 j + 2 r + h] is head 8 j + 2c + h
+      float v = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        v += w_head[j][0] * fmaxf(acc[4 * j + 2 * r], 0.0f);
+        v += w_head[j][1] * fmaxf(acc[4 * j + 2 * r + 1], 0.0f);
+      }
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      const int64_t s = base + row0 + 8 * r;
+      sink.Emit(u, s, v, c == 0 && s < ends[u]);
+    }
+    sink.Barrier();  // buffer b read (every warpgroup waited); tile n + 1 decoded; rows of n + 2
+    if (base + 2 * kMmaRows < end) load_tile(rows_s[b]);
+  }
+#endif
+}
+
 // Scores of candidates [begin, end) of query t into `sink` in f32 FMA: q in f32 in shared
 // memory, one warp per candidate, kWarps candidates between the sink's barriers.
 template <class Sink>
@@ -353,7 +514,10 @@ __device__ void Scores(const void* q, Elem q_type, const float* w, const TableVi
                        int64_t j_n, unsigned char* smem, Sink& sink) {
   int64_t end = ends[0];
   for (int u = 1; u < kQueries; ++u) end = max(end, ends[u]);
-  if constexpr (kScorer != Scorer::kScalar) {
+  if constexpr (kScorer == Scorer::kMmaIndexFp4 && kQueries == 2 && wgmma::kPaired) {
+    WgmmaPairScores(static_cast<const uint16_t*>(q), w, keys, page_table, p_n, epp, ts, begin, ends, end, i_n, smem,
+                    sink);
+  } else if constexpr (kScorer != Scorer::kScalar) {
     MmaScores<kScorer == Scorer::kMmaIndexFp4, kQueries>(static_cast<const uint16_t*>(q), w, keys, page_table, p_n,
                                                          epp, ts, begin, ends, end, i_n, j_n, smem, sink);
   } else {
@@ -693,7 +857,7 @@ __global__ void __launch_bounds__(kThreads, TopkBlocksPerSm(kScorer, kQueries))
                       int64_t i_n, int64_t j_n, int64_t k_n) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ Selection sel[kQueries];
-  auto* pool = reinterpret_cast<uint64_t*>(smem + (scores ? 0 : RegionBytes(i_n, j_n, kQueries)));
+  auto* pool = reinterpret_cast<uint64_t*>(smem + (scores ? 0 : FusedRegionBytes(i_n, j_n, kQueries, wgmma::kPaired)));
   const int64_t t0 = kQueries * static_cast<int64_t>(blockIdx.x);
   if constexpr (kQueries == 1) {
     SelectTopk<kScorer, 1>(q, q_type, w, keys, page_table, p_n, epp, limit, scores, ids, i_n, j_n, k_n, &t0, smem,
@@ -741,6 +905,18 @@ constexpr decltype(&IndexerTopkKernel<Scorer::kScalar, 1>) kTopkKernels[] = {
     IndexerTopkKernel<Scorer::kMmaIndexFp4, 1>};
 constexpr auto kPairedTopkKernel = IndexerTopkKernel<Scorer::kMmaIndexFp4, kMaxPairedQueries>;
 
+// Whether the current device runs the paired kernel's SM90a code (wgmma::kPaired there): compute
+// capability 9 (the build's 90a; an SM120 device runs its 120a code).
+bool PairedWgmmaOnDevice() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return major == 9;
+}
+
 ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer key_values,
                            ffi::AnyBuffer key_scales, ffi::AnyBuffer key_rope, ffi::Buffer<ffi::S32> page_table,
                            ffi::Buffer<ffi::S32> limit, ffi::Result<ffi::Buffer<ffi::S32>> ids,
@@ -781,17 +957,21 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
   const int queries = paired ? kMaxPairedQueries : 1;
   auto* kernel = paired ? kPairedTopkKernel : kTopkKernels[kernel_index];
   // Once per process and kernel: allow its largest shared memory (above the 48 KB default).
+  static const bool paired_wgmma = PairedWgmmaOnDevice();
+  static const size_t most = kMaxSmemBytes + PoolBytes(kMaxTopk),
+                      most_paired = FusedRegionBytes(64, index_fp4::kDim, kMaxPairedQueries, paired_wgmma) +
+                                    kMaxPairedQueries * PoolBytes(kMaxTopk);
   static const cudaError_t attr[4] = {
-      cudaFuncSetAttribute(kTopkKernels[0], cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxFusedSmemBytes),
-      cudaFuncSetAttribute(kTopkKernels[1], cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxFusedSmemBytes),
-      cudaFuncSetAttribute(kTopkKernels[2], cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxFusedSmemBytes),
-      cudaFuncSetAttribute(kPairedTopkKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxFusedSmemBytes)};
+      cudaFuncSetAttribute(kTopkKernels[0], cudaFuncAttributeMaxDynamicSharedMemorySize, most),
+      cudaFuncSetAttribute(kTopkKernels[1], cudaFuncAttributeMaxDynamicSharedMemorySize, most),
+      cudaFuncSetAttribute(kTopkKernels[2], cudaFuncAttributeMaxDynamicSharedMemorySize, most),
+      cudaFuncSetAttribute(kPairedTopkKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most_paired)};
   if (const cudaError_t e = attr[paired ? 3 : kernel_index]; e != cudaSuccess) {
     return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(e));
   }
   const int64_t blocks = (a.t + queries - 1) / queries;
-  kernel<<<static_cast<unsigned>(blocks), kThreads, RegionBytes(a.i, a.j, queries) + queries * PoolBytes(a.k),
-           stream>>>(q.untyped_data(), a.q_type, w.typed_data(), a.keys, page_table.typed_data(), a.p, a.epp,
+  const size_t smem = FusedRegionBytes(a.i, a.j, queries, paired_wgmma) + queries * PoolBytes(a.k);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(q.untyped_data(), a.q_type, w.typed_data(), a.keys, page_table.typed_data(), a.p, a.epp,
                      limit.typed_data(), nullptr, ids->typed_data(), a.t, a.i, a.j, a.k);
   return LastCudaError("IndexerTopkKernel");
 }
