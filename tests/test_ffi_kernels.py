@@ -398,17 +398,19 @@ def test_indexer_topk_streams_a_long_context_through_its_pool(monkeypatch, ascen
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_indexer_topk_pairs_a_requests_queries_on_a_long_chunk(monkeypatch):
+@pytest.mark.parametrize("heads", [8, 64])  # padded to the tensor-core tile's 64, and FLASH's count
+def test_indexer_topk_pairs_a_requests_queries_on_a_long_chunk(monkeypatch, heads):
     # On CUDA a fused call with at least 4 queries a multiprocessor (a prefill chunk) scores
     # queries 2b and 2b + 1 in one block, sharing each decoded FP4 key tile, when their page
     # rows agree over what they see; otherwise one after the other. Here three requests of 301,
     # 200 and 300 queries (801: the last block has one query): the second's rows agree with the
     # first's on the first two pages only and its limits stay within them, so pair (300, 301)
     # spans two requests and is scored together; pair (500, 501) is not. Causal limits differ
-    # within pairs, and every seventh query sees nothing.
+    # within pairs, and every seventh query sees nothing. (On SM90 paired queries are scored
+    # with wgmma, elsewhere with mma.sync.)
     _indexer_mode(monkeypatch, "fused")
     rng = np.random.default_rng(11)
-    t, i, pages, epp, topk = 801, 8, 16, 32, 64
+    t, i, pages, epp, topk = 801, heads, 16, 32, 64
     keys = _table(rng, EntryFormat.INDEX_FP4, 40 * epp, 128, 0, jnp.bfloat16)
     q = jnp.asarray(rng.normal(size=(t, i, 128)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(t, i)), jnp.float32)
