@@ -9,7 +9,9 @@
 //   - fused (no scratch, [T, 0]): one block per query scores its visible candidates and
 //     streams them into its selection (below): no score reaches HBM, and the block's shared
 //     memory does not grow with the context. This serves the prefill chunk, whose thousands
-//     of queries fill the GPU.
+//     of queries fill the GPU. With the model's FP4 keys and enough queries, a block takes
+//     two queries with the same page-table row and scores both on each decoded tile
+//     (IndexerTopkKernel): with mma.sync, or on SM90 with wgmma (WgmmaPairScores).
 //   - scored (a [T, S] scratch): IndexerScoreKernel spreads each query's candidates over many
 //     blocks and writes the scores to the scratch, then the selection kernel streams them back.
 //     Dsv4IndexerScratchColumns asks for this for decode, where one block per query would
