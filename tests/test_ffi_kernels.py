@@ -314,9 +314,10 @@ def _indexer_mode(monkeypatch, mode: str) -> None:
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])  # CUDA: tensor-core / scalar scorer
 def test_indexer_topk_fused_and_scored_modes_match_the_reference(monkeypatch, mode, fmt, topk, dtype):
     # Fused: each query's scores stay on chip. Scored: the scores go through a [T, S] scratch
-    # (on CUDA a separate pass over many blocks, as for decode). 160 candidates are three 64-candidate tiles, the last one partial; repeated pages
-    # give equal scores, so the selection must break ties by candidate. FP4 keys of dim 128
-    # are the model's layout, which the CUDA tensor-core scorer reads on a path of its own.
+    # (on CUDA a separate pass over many blocks, as for decode). 160 candidates are three
+    # 64-candidate tiles, the last one partial; repeated pages give equal scores, so the
+    # selection must break ties by candidate. FP4 keys of dim 128 are the model's layout,
+    # which the CUDA tensor-core scorer reads on a path of its own.
     _indexer_mode(monkeypatch, mode)
     rng = np.random.default_rng(topk)
     t, pages, epp = 5, 10, 16

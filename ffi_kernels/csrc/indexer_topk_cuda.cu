@@ -346,7 +346,10 @@ constexpr size_t kRegionBytes = 2 * kTileBytes + 2 * kTileBytes;
 constexpr bool kPaired = true;
 constexpr int kCoreBytes = 128, kGroupBytes = (index_fp4::kDim / 8) * kCoreBytes;
 
-__device__ __forceinline__ int ChunkOffset(int r, int c) { return (r / 8) * kGroupBytes + c * kCoreBytes + (r % 8) * 16; }
+// The byte offset of row r's 16-byte chunk c in a tile (the layout above).
+__device__ __forceinline__ int ChunkOffset(int r, int c) {
+  return (r / 8) * kGroupBytes + c * kCoreBytes + (r % 8) * 16;
+}
 
 // The matrix descriptor of k-step kk of the tile at `tile` (no swizzle).
 __device__ __forceinline__ uint64_t Descriptor(const unsigned char* tile, int kk) {
@@ -357,7 +360,9 @@ __device__ __forceinline__ uint64_t Descriptor(const unsigned char* tile, int kk
 
 // Makes this thread's generic-proxy shared-memory writes visible to wgmma's (async proxy) reads
 // that follow a barrier.
-__device__ __forceinline__ void FenceSharedForAsyncProxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void FenceSharedForAsyncProxy() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
 #else
 constexpr bool kPaired = false;
 #endif
@@ -973,8 +978,10 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
   }
   const int64_t blocks = (a.t + queries - 1) / queries;
   const size_t smem = FusedRegionBytes(a.i, a.j, queries, paired_wgmma) + queries * PoolBytes(a.k);
-  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(q.untyped_data(), a.q_type, w.typed_data(), a.keys, page_table.typed_data(), a.p, a.epp,
-                     limit.typed_data(), nullptr, ids->typed_data(), a.t, a.i, a.j, a.k);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(q.untyped_data(), a.q_type, w.typed_data(),
+                                                                   a.keys, page_table.typed_data(), a.p, a.epp,
+                                                                   limit.typed_data(), nullptr, ids->typed_data(), a.t,
+                                                                   a.i, a.j, a.k);
   return LastCudaError("IndexerTopkKernel");
 }
 
