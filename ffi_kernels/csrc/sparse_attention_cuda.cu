@@ -34,6 +34,7 @@
 #include "cuda_common.h"
 #include "cuda_tiles.h"
 #include "op_args.h"
+#include "wgmma.h"
 
 namespace dsv4 {
 namespace {
@@ -279,27 +280,32 @@ __device__ __forceinline__ void StageFlashFp8Tile(const Slot* slots, const Table
   }
 }
 
-// The decode of this thread's part of a staged FLASH FP8 tile (StageFlashFp8Tile's) into kv.
+// The decode of this thread's part of a staged FLASH FP8 tile (StageFlashFp8Tile's) into kv:
+// rows of ld values, or (kCoreLayout) wgmma.h's core-matrix layout of 64 chunks a row.
+template <bool kCoreLayout>
 __device__ __forceinline__ void DecodeFlashFp8Tile(const Slot* tile, const unsigned char* stage, uint8_t scale_byte,
                                                    uint16_t* kv, int ld) {
   using namespace flash_fp8;
   static_assert(kTile * kRopeUnits == kTcThreads, "one rope unit a thread");
+  auto chunk = [&](int r, int c) {  // row r's 16-byte chunk c (values 8c .. 8c + 7)
+    return reinterpret_cast<uint4*>(kCoreLayout ? reinterpret_cast<unsigned char*>(kv) + CoreChunkOffset(r, c, kHead / 8)
+                                                : reinterpret_cast<unsigned char*>(kv + r * ld + 8 * c));
+  };
   const uint4 zero = make_uint4(0, 0, 0, 0);
   if (threadIdx.x < kTile * kScales) {
     const int r = threadIdx.x / kScales, b = threadIdx.x % kScales;
-    uint4* dst = reinterpret_cast<uint4*>(kv + r * ld + kBlock * b);
     const uint4* src = reinterpret_cast<const uint4*>(stage + r * kBytes + kBlock * b);
     const bool valid = tile[r].table >= 0;
     const float scale = E8m0ToFloat(scale_byte);
 #pragma unroll
     for (int k = 0; k < kBlock / 16; ++k) {
       const uint4 w = src[k];  // (an empty slot's stale bytes: decoded, then not stored)
-      dst[2 * k] = valid ? E4m3EightToBf16(make_uint2(w.x, w.y), scale) : zero;
-      dst[2 * k + 1] = valid ? E4m3EightToBf16(make_uint2(w.z, w.w), scale) : zero;
+      *chunk(r, kBlock / 8 * b + 2 * k) = valid ? E4m3EightToBf16(make_uint2(w.x, w.y), scale) : zero;
+      *chunk(r, kBlock / 8 * b + 2 * k + 1) = valid ? E4m3EightToBf16(make_uint2(w.z, w.w), scale) : zero;
     }
   }
   const int r = threadIdx.x / kRopeUnits, u = threadIdx.x % kRopeUnits;
-  *reinterpret_cast<uint4*>(kv + r * ld + kValues + 8 * u) =
+  *chunk(r, kValues / 8 + u) =
       tile[r].table >= 0 ? *reinterpret_cast<const uint4*>(stage + r * kBytes + kValues + 16 * u) : zero;
 }
 
@@ -352,10 +358,13 @@ __global__ void __launch_bounds__(kTcThreads)
   // n - 1, its mask in n.
   __shared__ Slot slots[kSlotBuffers][kTile];
   __shared__ TableView views[3];
-  const int ld = h_n + kPad;
-  uint16_t* q_s = smem;                       // [kTcHeads][ld]
-  uint16_t* kv_s = smem + kTcHeads * ld;      // [2][kTile][ld]: tile n in kv_s[n % 2]
-  unsigned char* stage = reinterpret_cast<unsigned char*>(kv_s + 2 * kTile * ld);  // [kTile][stage_ld]
+  // kWgmma (the FLASH FP8 layout, SM90a code): S = Q K^T and O += P V on wgmma, q and the
+  // tiles in wgmma.h's core-matrix layout (no row padding); otherwise mma.sync from padded rows.
+  constexpr bool kWgmma = kFlashFp8 && kWgmmaCompiled;
+  const int ld = h_n + kPad, row_elems = kWgmma ? h_n : ld;
+  uint16_t* q_s = smem;                         // [kTcHeads][row_elems]
+  uint16_t* kv_s = smem + kTcHeads * row_elems;  // [2][kTile][row_elems]: tile n in kv_s[n % 2]
+  unsigned char* stage = reinterpret_cast<unsigned char*>(kv_s + 2 * kTile * row_elems);  // [kTile][stage_ld]
   uint8_t* scales_s = stage + kTile * stage_ld;                                     // [kTile][kMaxScales]
   float4* half_s = reinterpret_cast<float4*>(scales_s + kTile * kMaxScales);        // [warp][block][lane]
   const int64_t t = blockIdx.x, head0 = static_cast<int64_t>(blockIdx.y) * kTcHeads;
@@ -371,10 +380,12 @@ __global__ void __launch_bounds__(kTcThreads)
   for (int e = threadIdx.x; e < kTcHeads * chunks; e += kTcThreads) {  // lands with the first tile
     const int r = e / chunks, k = 8 * (e % chunks);
     const int64_t head = head0 + r;
+    void* dst = kWgmma ? static_cast<void*>(reinterpret_cast<unsigned char*>(q_s) + CoreChunkOffset(r, k / 8, chunks))
+                       : static_cast<void*>(q_s + r * ld + k);
     if (head < n_n) {
-      CopyAsync16(q_s + r * ld + k, q + (t * n_n + head) * h_n + k);
+      CopyAsync16(dst, q + (t * n_n + head) * h_n + k);
     } else {
-      *reinterpret_cast<uint4*>(q_s + r * ld + k) = make_uint4(0, 0, 0, 0);
+      *static_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
     }
   }
   static_assert(!kFlashFp8 || kFixedH == flash_fp8::kHead, "the FLASH FP8 layout decodes to 512 values");
@@ -393,7 +404,8 @@ __global__ void __launch_bounds__(kTcThreads)
   auto decode_tile = [&](const Slot* tile, uint16_t* kv) {
     CopyAsyncCommitAndWaitAll();
     if constexpr (kFlashFp8) {
-      DecodeFlashFp8Tile(tile, stage, scale_regs[0], kv, ld);
+      DecodeFlashFp8Tile<kWgmma>(tile, stage, scale_regs[0], kv, ld);
+      if constexpr (kWgmma) FenceSharedForAsyncProxy();  // read by the next wgmma, after a barrier
     } else {
 #pragma unroll
       for (int i = 0; i < kScaleLoads; ++i) scales_s[threadIdx.x + i * kTcThreads] = scale_regs[i];
@@ -411,7 +423,7 @@ __global__ void __launch_bounds__(kTcThreads)
       __syncthreads();
     }
   };
-  auto decoded_tile = [&](int i) { return kv_s + (i % 2) * kTile * ld; };  // tile i's buffer
+  auto decoded_tile = [&](int i) { return kv_s + (i % 2) * kTile * row_elems; };  // tile i's buffer
   // Pipeline: while tile n is computed from kv_s[n % 2], tile n + 1 is decoded into the other
   // buffer by whichever warps are done with tile n (one block barrier a tile), tile n + 2's
   // bytes are on their way (cp.async, no registers held) and tile n + 3's slots resolved.
@@ -450,20 +462,45 @@ __global__ void __launch_bounds__(kTcThreads)
     // S = Q K^T: this group's 16 heads x the tile's rows, this warp over its half of the head
     // dim; then the group's other warp's half added (a pair barrier: warps w and w + 4).
     float sc[kScoreBlocks][4];
+    if constexpr (kWgmma) {
+      // Warpgroup `half`: all 64 heads (warp w's 16 are its group's) x the tile's 32 rows over
+      // its half of the head dim, m64n32k16 from shared memory; the accumulators are sc's
+      // layout. Nothing else is in flight (the last tile's P V was waited for before the
+      // block barrier), so the wait covers only these.
+      using Atom = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                                cute::SM90::GMMA::Major::K>;
+      float(&acc)[kScoreBlocks * 4] = reinterpret_cast<float(&)[kScoreBlocks * 4]>(sc);
+      // Core matrices: 128 bytes apart along K (a row's next chunk), kGroupBytes along M / N.
+      constexpr int kChunks = flash_fp8::kHead / 8, kGroupBytes = kChunks * 128;
+      const int half_chunk = half * kChunks / 2;  // this warpgroup's first chunk of the head dim
+      const unsigned char* q_half = reinterpret_cast<const unsigned char*>(q_s) + half_chunk * 128;
+      const unsigned char* k_half = reinterpret_cast<const unsigned char*>(kv) + half_chunk * 128;
+      FenceOperands(acc);
+      cute::warpgroup_arrive();
 #pragma unroll
-    for (int b = 0; b < kScoreBlocks; ++b) sc[b][0] = sc[b][1] = sc[b][2] = sc[b][3] = 0.0f;
-    const int k_begin = half * (h_n / 2);
+      for (int kk = 0; kk < flash_fp8::kHead / 2 / 16; ++kk) {  // two 16-byte chunks a k-step
+        WgmmaSs<Atom>(WgmmaDescriptor(q_half + kk * 2 * 128, 128, kGroupBytes),
+                      WgmmaDescriptor(k_half + kk * 2 * 128, 128, kGroupBytes), acc, kk > 0);
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      FenceOperands(acc);
+    } else {
+#pragma unroll
+      for (int b = 0; b < kScoreBlocks; ++b) sc[b][0] = sc[b][1] = sc[b][2] = sc[b][3] = 0.0f;
+      const int k_begin = half * (h_n / 2);
 #pragma unroll 4
-    for (int k0 = k_begin; k0 < k_begin + h_n / 2; k0 += 16) {
-      uint32_t a[4];
-      LdMatrixX4(a, q_s + (group * 16 + lane % 16) * ld + k0 + (lane / 16) * 8);
+      for (int k0 = k_begin; k0 < k_begin + h_n / 2; k0 += 16) {
+        uint32_t a[4];
+        LdMatrixX4(a, q_s + (group * 16 + lane % 16) * ld + k0 + (lane / 16) * 8);
 #pragma unroll
-      for (int b = 0; b < kScoreBlocks; b += 2) {
-        uint32_t kb[4];
-        const int m = lane / 8;
-        LdMatrixX4(kb, kv + (b * 8 + (m / 2) * 8 + lane % 8) * ld + k0 + (m % 2) * 8);
-        Mma(sc[b], a, kb[0], kb[1]);
-        Mma(sc[b + 1], a, kb[2], kb[3]);
+        for (int b = 0; b < kScoreBlocks; b += 2) {
+          uint32_t kb[4];
+          const int m = lane / 8;
+          LdMatrixX4(kb, kv + (b * 8 + (m / 2) * 8 + lane % 8) * ld + k0 + (m % 2) * 8);
+          Mma(sc[b], a, kb[0], kb[1]);
+          Mma(sc[b + 1], a, kb[2], kb[3]);
+        }
       }
     }
 #pragma unroll
@@ -511,19 +548,42 @@ __global__ void __launch_bounds__(kTcThreads)
     }
 
     // O += P V over this warp's output half; P's accumulator fragments are the A fragments.
+    uint32_t p_frag[kTile / 16][4];
 #pragma unroll
     for (int ks = 0; ks < kTile / 16; ++ks) {
-      const uint32_t a[4] = {PackBf16(sc[2 * ks][0], sc[2 * ks][1]), PackBf16(sc[2 * ks][2], sc[2 * ks][3]),
-                             PackBf16(sc[2 * ks + 1][0], sc[2 * ks + 1][1]),
-                             PackBf16(sc[2 * ks + 1][2], sc[2 * ks + 1][3])};
+      p_frag[ks][0] = PackBf16(sc[2 * ks][0], sc[2 * ks][1]);
+      p_frag[ks][1] = PackBf16(sc[2 * ks][2], sc[2 * ks][3]);
+      p_frag[ks][2] = PackBf16(sc[2 * ks + 1][0], sc[2 * ks + 1][1]);
+      p_frag[ks][3] = PackBf16(sc[2 * ks + 1][2], sc[2 * ks + 1][3]);
+    }
+    float(&o_acc)[kMaxOutBlocks * 4] = reinterpret_cast<float(&)[kMaxOutBlocks * 4]>(o);
+    if constexpr (kWgmma) {
+      // Warpgroup `half`: its 256 output columns, m64n256k16 with P from registers and V (the
+      // tile read with its rows along K: an MN-major operand) from shared memory. Left in
+      // flight while the next tile is decoded; waited for before the block barrier.
+      using Atom = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
+                                                                 cute::SM90::GMMA::Major::MN>;
+      constexpr int kChunks = flash_fp8::kHead / 8, kGroupBytes = kChunks * 128;
+      const unsigned char* v_half = reinterpret_cast<const unsigned char*>(kv) + (col0 / 8) * 128;
+      FenceOperands(o_acc);
+      cute::warpgroup_arrive();
 #pragma unroll
-      for (int b = 0; b < kMaxOutBlocks; b += 2) {
-        if (b < out_blocks) {
-          uint32_t vb[4];
-          const int m = lane / 8;
-          LdMatrixX4Trans(vb, kv + (ks * 16 + (m % 2) * 8 + lane % 8) * ld + col0 + b * 8 + (m / 2) * 8);
-          Mma(o[b], a, vb[0], vb[1]);
-          Mma(o[b + 1], a, vb[2], vb[3]);
+      for (int ks = 0; ks < kTile / 16; ++ks) {  // 16 rows: two 8-row groups a k-step
+        WgmmaRs<Atom>(p_frag[ks], WgmmaDescriptor(v_half + ks * 2 * kGroupBytes, kGroupBytes, 128), o_acc, true);
+      }
+      cute::warpgroup_commit_batch();
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < kTile / 16; ++ks) {
+#pragma unroll
+        for (int b = 0; b < kMaxOutBlocks; b += 2) {
+          if (b < out_blocks) {
+            uint32_t vb[4];
+            const int m = lane / 8;
+            LdMatrixX4Trans(vb, kv + (ks * 16 + (m % 2) * 8 + lane % 8) * ld + col0 + b * 8 + (m / 2) * 8);
+            Mma(o[b], p_frag[ks], vb[0], vb[1]);
+            Mma(o[b + 1], p_frag[ks], vb[2], vb[3]);
+          }
         }
       }
     }
@@ -539,6 +599,12 @@ __global__ void __launch_bounds__(kTcThreads)
       slots[(n + kSlotBuffers - 1) % kSlotBuffers][threadIdx.x] =
           SlotOf(j, next_index, w_n, views[0].rows, views[1].rows, views[2].rows);
       next_index = SlotIndex(j + kTile, end, w_n, w_idx, x_idx);
+    }
+    if constexpr (kWgmma) {  // this tile's P V done before its buffer is decoded into again
+      cute::warpgroup_wait<0>();
+      FenceOperands(o_acc);
+      FenceOperands(p_frag[0]);
+      FenceOperands(p_frag[1]);
     }
     __syncthreads();  // tile n + 1 decoded, tile n + 3's slots resolved, every warp done with tile n
   }
