@@ -288,8 +288,8 @@ __device__ __forceinline__ void DecodeFlashFp8Tile(const Slot* tile, const unsig
   using namespace flash_fp8;
   static_assert(kTile * kRopeUnits == kTcThreads, "one rope unit a thread");
   auto chunk = [&](int r, int c) {  // row r's 16-byte chunk c (values 8c .. 8c + 7)
-    return reinterpret_cast<uint4*>(kCoreLayout ? reinterpret_cast<unsigned char*>(kv) + CoreChunkOffset(r, c, kHead / 8)
-                                                : reinterpret_cast<unsigned char*>(kv + r * ld + 8 * c));
+    unsigned char* bytes = reinterpret_cast<unsigned char*>(kv);
+    return reinterpret_cast<uint4*>(kCoreLayout ? bytes + CoreChunkOffset(r, c, kHead / 8) : bytes + 2 * (r * ld + 8 * c));
   };
   const uint4 zero = make_uint4(0, 0, 0, 0);
   if (threadIdx.x < kTile * kScales) {
