@@ -289,7 +289,8 @@ __device__ __forceinline__ void DecodeFlashFp8Tile(const Slot* tile, const unsig
   static_assert(kTile * kRopeUnits == kTcThreads, "one rope unit a thread");
   auto chunk = [&](int r, int c) {  // row r's 16-byte chunk c (values 8c .. 8c + 7)
     unsigned char* bytes = reinterpret_cast<unsigned char*>(kv);
-    return reinterpret_cast<uint4*>(kCoreLayout ? bytes + CoreChunkOffset(r, c, kHead / 8) : bytes + 2 * (r * ld + 8 * c));
+    const int offset = kCoreLayout ? CoreChunkOffset(r, c, kHead / 8) : 2 * (r * ld + 8 * c);
+    return reinterpret_cast<uint4*>(bytes + offset);
   };
   const uint4 zero = make_uint4(0, 0, 0, 0);
   if (threadIdx.x < kTile * kScales) {
