@@ -5,8 +5,9 @@
 // scale bytes a row; head dim a multiple of 32 up to 512): one block per (query, 64 heads), 8
 // warps. Each tile of kTile selected rows is decoded once into shared memory as bf16 (e4m3 x
 // E8M0 is exact in bf16) and used by all 64 heads: S = Q K^T and O += P V run on mma.sync
-// m16n8k16 (bf16 in, f32 accumulate; the same code serves SM90 and SM120). Warp w owns heads
-// 16 (w % 4) .. +16 and output columns (w / 4) * H/2 .. +H/2. The two warps of a head group
+// m16n8k16 (bf16 in, f32 accumulate; the same code serves SM90 and SM120), or, for the FLASH
+// FP8 layout in the SM90a code, on wgmma with the same register layouts (wgmma.h). Warp w owns
+// heads 16 (w % 4) .. +16 and output columns (w / 4) * H/2 .. +H/2. The two warps of a head group
 // each compute its S over half of the head dim and add the other's half from shared memory, so
 // both hold the whole S (a + b == b + a) without either computing all of it.
 // Softmax online with the sink as the starting max (m = sink, l = 1), in base 2.
