@@ -852,8 +852,8 @@ __device__ bool SamePages(const int32_t* page_table, int64_t p_n, int64_t t0, in
 // page-table row over what they see (a request's consecutive chunk tokens) are scored together,
 // each decoded key tile serving both; otherwise they run one after the other. Its shared
 // memory for FP4 keys and k = 512 (~50 KB fused, ~63 KB paired on mma.sync, ~89 KB paired on
-// wgmma) would let more blocks share a multiprocessor than the registers do: they are capped
-// so that TopkBlocksPerSm do (three with FP4 keys: 80 registers; two paired: 128).
+// wgmma); registers are capped so that TopkBlocksPerSm blocks share a multiprocessor (three
+// with FP4 keys: 80 registers; two paired: 128).
 constexpr int TopkBlocksPerSm(Scorer s, int queries) {
   return queries > 1 ? 2 : s == Scorer::kScalar ? 4 : s == Scorer::kMmaIndexFp4 ? 3 : 2;
 }
