@@ -820,9 +820,9 @@ __device__ bool SamePages(const int32_t* page_table, int64_t p_n, int64_t t0, in
 // (kQueries = 2, fused FP4 scoring on a long chunk; see the launch): two queries with the same
 // page-table row over what they see (a request's consecutive chunk tokens) are scored together,
 // each decoded key tile serving both; otherwise they run one after the other. Its shared
-// memory (~50 KB fused for FP4 keys and k = 512, ~63 KB paired) would let three or four
-// blocks share a multiprocessor; registers are capped so that TopkBlocksPerSm do (three with
-// FP4 keys: 80 registers; two paired: 128).
+// memory for FP4 keys and k = 512 (~50 KB fused, ~63 KB paired on mma.sync, ~89 KB paired on
+// wgmma); registers are capped so that TopkBlocksPerSm blocks share a multiprocessor (three
+// with FP4 keys: 80 registers; two paired: 128).
 constexpr int TopkBlocksPerSm(Scorer s, int queries) {
   return queries > 1 ? 2 : s == Scorer::kScalar ? 4 : s == Scorer::kMmaIndexFp4 ? 3 : 2;
 }
