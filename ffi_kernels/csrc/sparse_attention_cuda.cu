@@ -161,16 +161,24 @@ constexpr int kScaleLoads = kTile * kMaxScales / kTcThreads;  // a tile's scale 
 
 // A staged row of table t: its stored value bytes, then its rope from the next 16-byte
 // boundary (16-byte reads); the staging stride of a tile row is the largest of the three
-// tables' staged rows, rounded up to 16 bytes.
+// tables' staged rows, padded by ConflictFreeStride.
 DSV4_HD int64_t RopeOffset(const TableView& t) { return (t.value_bytes() + 15) / 16 * 16; }
 DSV4_HD int64_t RowBytes(const TableView& t) { return RopeOffset(t) + t.rope_width * 2; }
+
+// Rows of `bytes` padded to an odd number of 16-byte units, so that the same 16-byte column of
+// eight consecutive rows lies in eight different bank groups (shared memory serves a warp's
+// 16-byte accesses eight lanes at a time, conflict-free when those eight differ).
+constexpr int64_t ConflictFreeStride(int64_t bytes) {
+  const int64_t units = (bytes + 15) / 16;
+  return 16 * (units % 2 == 1 ? units : units + 1);
+}
 
 int64_t StageStride(const TableView& ring, const TableView& fresh, const TableView& comp) {
   int64_t most = 0;
   for (const TableView* t : {&ring, &fresh, &comp}) {
     if (t->rows > 0) most = std::max(most, RowBytes(*t));  // an empty table is never read
   }
-  return (most + 15) / 16 * 16;
+  return ConflictFreeStride(most);
 }
 
 constexpr int kTcWarps = kTcThreads / 32;
@@ -243,8 +251,9 @@ __device__ __forceinline__ void StageTile(const Slot* slots, const TableView* vi
 // table lookups, divisions or format branches: those were most of a tile's instructions).
 namespace flash_fp8 {
 constexpr int kValues = 448, kBlock = 64, kScales = 7, kRope = 64, kHead = 512;
-constexpr int kBytes = kValues + 2 * kRope;  // a staged row
-constexpr int kRopeUnits = 2 * kRope / 16;   // its rope's 16-byte copies
+constexpr int kBytes = kValues + 2 * kRope;                // a staged row
+constexpr int kStageLd = ConflictFreeStride(kBytes);       // its stride (StageStride's)
+constexpr int kRopeUnits = 2 * kRope / 16;                 // its rope's 16-byte copies
 }  // namespace flash_fp8
 
 bool IsFlashFp8(const TableView& t) {
@@ -254,31 +263,29 @@ bool IsFlashFp8(const TableView& t) {
 }
 
 // StageTile and the decode for the FLASH FP8 layout, each thread on bytes of its own, so that a
-// tile needs no block barrier between its copies landing and its decode: thread g < 224 takes
-// scale block g % 7 of row g / 7 (64 e4m3 bytes in four 16-byte copies, its scale byte into
-// `scale`) and every thread the 16-byte rope unit t % 8 of row t / 8 (constant offsets: no
-// per-chunk table lookups, divisions or format branches).
+// tile needs no block barrier between its copies landing and its decode. Thread t takes row
+// t % 32 and part p = t / 32 of it (a warp's lanes are the tile's rows): scale block p < 7 (64
+// e4m3 bytes in four 16-byte copies, its scale byte into `scale`) and 16-byte rope unit p.
+// Staged rows kStageLd apart and decoded rows in either layout put the eight lanes of each
+// 16-byte access in eight bank groups: no shared-memory conflicts (the previous mapping, seven
+// lanes a row, had 4- to 8-way conflicts on every decode access).
 __device__ __forceinline__ void StageFlashFp8Tile(const Slot* slots, const TableView* views, unsigned char* stage,
                                                   uint8_t& scale) {
   using namespace flash_fp8;
+  static_assert(kTcThreads == kTile * kRopeUnits && kScales <= kRopeUnits, "a warp per rope unit and scale block");
   scale = 127;
-  if (threadIdx.x < kTile * kScales) {
-    const int r = threadIdx.x / kScales, b = threadIdx.x % kScales;
-    const Slot slot = slots[r];
-    if (slot.table >= 0) {
-      const TableView& v = views[slot.table];
-      const unsigned char* src = static_cast<const unsigned char*>(v.values) + slot.row * kValues + kBlock * b;
-#pragma unroll
-      for (int k = 0; k < kBlock / 16; ++k) CopyAsync16(stage + r * kBytes + kBlock * b + 16 * k, src + 16 * k);
-      scale = v.scales[slot.row * kScales + b];
-    }
-  }
-  const int r = threadIdx.x / kRopeUnits, u = threadIdx.x % kRopeUnits;
+  const int r = threadIdx.x % kTile, part = threadIdx.x / kTile;
   const Slot slot = slots[r];
-  if (slot.table >= 0) {
-    CopyAsync16(stage + r * kBytes + kValues + 16 * u,
-                static_cast<const unsigned char*>(views[slot.table].rope) + slot.row * (2 * kRope) + 16 * u);
+  if (slot.table < 0) return;
+  const TableView& v = views[slot.table];
+  unsigned char* row = stage + r * kStageLd;
+  if (part < kScales) {
+    const unsigned char* src = static_cast<const unsigned char*>(v.values) + slot.row * kValues + kBlock * part;
+#pragma unroll
+    for (int k = 0; k < kBlock / 16; ++k) CopyAsync16(row + kBlock * part + 16 * k, src + 16 * k);
+    scale = v.scales[slot.row * kScales + part];
   }
+  CopyAsync16(row + kValues + 16 * part, static_cast<const unsigned char*>(v.rope) + slot.row * (2 * kRope) + 16 * part);
 }
 
 // The decode of this thread's part of a staged FLASH FP8 tile (StageFlashFp8Tile's) into kv:
@@ -287,28 +294,26 @@ template <bool kCoreLayout>
 __device__ __forceinline__ void DecodeFlashFp8Tile(const Slot* tile, const unsigned char* stage, uint8_t scale_byte,
                                                    uint16_t* kv, int ld) {
   using namespace flash_fp8;
-  static_assert(kTile * kRopeUnits == kTcThreads, "one rope unit a thread");
   auto chunk = [&](int r, int c) {  // row r's 16-byte chunk c (values 8c .. 8c + 7)
     unsigned char* bytes = reinterpret_cast<unsigned char*>(kv);
     const int offset = kCoreLayout ? CoreChunkOffset(r, c, kHead / 8) : 2 * (r * ld + 8 * c);
     return reinterpret_cast<uint4*>(bytes + offset);
   };
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  if (threadIdx.x < kTile * kScales) {
-    const int r = threadIdx.x / kScales, b = threadIdx.x % kScales;
-    const uint4* src = reinterpret_cast<const uint4*>(stage + r * kBytes + kBlock * b);
-    const bool valid = tile[r].table >= 0;
+  const int r = threadIdx.x % kTile, part = threadIdx.x / kTile;
+  const bool valid = tile[r].table >= 0;
+  const unsigned char* row = stage + r * kStageLd;
+  if (part < kScales) {
+    const uint4* src = reinterpret_cast<const uint4*>(row + kBlock * part);
     const float scale = E8m0ToFloat(scale_byte);
 #pragma unroll
     for (int k = 0; k < kBlock / 16; ++k) {
       const uint4 w = src[k];  // (an empty slot's stale bytes: decoded, then not stored)
-      *chunk(r, kBlock / 8 * b + 2 * k) = valid ? E4m3EightToBf16(make_uint2(w.x, w.y), scale) : zero;
-      *chunk(r, kBlock / 8 * b + 2 * k + 1) = valid ? E4m3EightToBf16(make_uint2(w.z, w.w), scale) : zero;
+      *chunk(r, kBlock / 8 * part + 2 * k) = valid ? E4m3EightToBf16(make_uint2(w.x, w.y), scale) : zero;
+      *chunk(r, kBlock / 8 * part + 2 * k + 1) = valid ? E4m3EightToBf16(make_uint2(w.z, w.w), scale) : zero;
     }
   }
-  const int r = threadIdx.x / kRopeUnits, u = threadIdx.x % kRopeUnits;
-  *chunk(r, kValues / 8 + u) =
-      tile[r].table >= 0 ? *reinterpret_cast<const uint4*>(stage + r * kBytes + kValues + 16 * u) : zero;
+  *chunk(r, kValues / 8 + part) = valid ? *reinterpret_cast<const uint4*>(row + kValues + 16 * part) : zero;
 }
 
 // The on-chip merge of a cluster's split parts (the file comment): out = sum_s 2^(m_s - M) o_s /
