@@ -353,10 +353,8 @@ __device__ void WgmmaPairScores(const uint16_t* q, const float* w, const TableVi
                                 int64_t end, int64_t i_n, unsigned char* smem, Sink& sink) {
   using namespace wgmma;
   using Gmma = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-  // The descriptor of k-step kk of the tile at `tile`.
-  auto descriptor = [](const unsigned char* tile, int kk) {
-    return WgmmaDescriptor(tile + kk * 2 * 128, 128, kChunks * 128);
-  };
+  // The descriptor of the tile at `tile`; k-step kk reads WgmmaDescriptorAt(it, kk * 2 * 128).
+  auto descriptor = [](const unsigned char* tile) { return WgmmaDescriptor(tile, 128, kChunks * 128); };
   __shared__ int64_t rows_s[2][kMmaRows];  // stored row of each candidate of the tile (-1 past the end)
   unsigned char* q_s = smem;  // [2 queries][64 heads][128], core-matrix layout
   auto key_buffer = [&](int b) { return smem + (2 + b) * kTileBytes; };
@@ -408,17 +406,18 @@ __device__ void WgmmaPairScores(const uint16_t* q, const float* w, const TableVi
   FenceSharedForAsyncProxy();
   __syncthreads();  // q and the first tile in shared memory; the second tile's rows resolved
   if (begin + kMmaRows < end) load_tile(rows_s[1]);
-  const unsigned char* q_u = q_s + u * kTileBytes;
+  const uint64_t q_u = descriptor(q_s + WarpgroupIndex() * kTileBytes);
   // Tile n: products from buffer n % 2 issued; tile n + 1 decoded into the other and tile
   // n + 2's rows resolved while they run; wait; scores emitted; one barrier; tile n + 2 loaded.
   for (int64_t base = begin, n = 0; base < end; base += kMmaRows, ++n) {
     const int b = static_cast<int>(n % 2);
     float acc[32];
+    const uint64_t keys_b = descriptor(key_buffer(b));
     FenceOperands(acc);
     cute::warpgroup_arrive();
 #pragma unroll
     for (int kk = 0; kk < index_fp4::kDim / 16; ++kk) {
-      WgmmaSs<Gmma>(descriptor(key_buffer(b), kk), descriptor(q_u, kk), acc, kk > 0);
+      WgmmaSs<Gmma>(WgmmaDescriptorAt(keys_b, kk * 2 * 128), WgmmaDescriptorAt(q_u, kk * 2 * 128), acc, kk > 0);
     }
     cute::warpgroup_commit_batch();
     if (base + kMmaRows < end) {

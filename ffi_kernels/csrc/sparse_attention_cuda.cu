@@ -479,15 +479,16 @@ __global__ void __launch_bounds__(kTcThreads)
       float(&acc)[kScoreBlocks * 4] = reinterpret_cast<float(&)[kScoreBlocks * 4]>(sc);
       // Core matrices: 128 bytes apart along K (a row's next chunk), kGroupBytes along M / N.
       constexpr int kChunks = flash_fp8::kHead / 8, kGroupBytes = kChunks * 128;
-      const int half_chunk = half * kChunks / 2;  // this warpgroup's first chunk of the head dim
-      const unsigned char* q_half = reinterpret_cast<const unsigned char*>(q_s) + half_chunk * 128;
-      const unsigned char* k_half = reinterpret_cast<const unsigned char*>(kv) + half_chunk * 128;
+      const int half_chunk = WarpgroupIndex() * kChunks / 2;  // this warpgroup's first chunk of the head dim
+      const uint64_t q_half = WgmmaDescriptor(reinterpret_cast<const unsigned char*>(q_s) + half_chunk * 128, 128,
+                                              kGroupBytes);
+      const uint64_t k_half = WgmmaDescriptor(reinterpret_cast<const unsigned char*>(kv) + half_chunk * 128, 128,
+                                              kGroupBytes);
       FenceOperands(acc);
       cute::warpgroup_arrive();
 #pragma unroll
       for (int kk = 0; kk < flash_fp8::kHead / 2 / 16; ++kk) {  // two 16-byte chunks a k-step
-        WgmmaSs<Atom>(WgmmaDescriptor(q_half + kk * 2 * 128, 128, kGroupBytes),
-                      WgmmaDescriptor(k_half + kk * 2 * 128, 128, kGroupBytes), acc, kk > 0);
+        WgmmaSs<Atom>(WgmmaDescriptorAt(q_half, kk * 2 * 128), WgmmaDescriptorAt(k_half, kk * 2 * 128), acc, kk > 0);
       }
       cute::warpgroup_commit_batch();
       cute::warpgroup_wait<0>();
@@ -571,12 +572,13 @@ __global__ void __launch_bounds__(kTcThreads)
       using Atom = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
                                                                  cute::SM90::GMMA::Major::MN>;
       constexpr int kChunks = flash_fp8::kHead / 8, kGroupBytes = kChunks * 128;
-      const unsigned char* v_half = reinterpret_cast<const unsigned char*>(kv) + (col0 / 8) * 128;
+      const uint64_t v_half = WgmmaDescriptor(
+          reinterpret_cast<const unsigned char*>(kv) + WarpgroupIndex() * (kChunks / 2) * 128, kGroupBytes, 128);
       FenceOperands(o_acc);
       cute::warpgroup_arrive();
 #pragma unroll
       for (int ks = 0; ks < kTile / 16; ++ks) {  // 16 rows: two 8-row groups a k-step
-        WgmmaRs<Atom>(p_frag[ks], WgmmaDescriptor(v_half + ks * 2 * kGroupBytes, kGroupBytes, 128), o_acc, true);
+        WgmmaRs<Atom>(p_frag[ks], WgmmaDescriptorAt(v_half, ks * 2 * kGroupBytes), o_acc, true);
       }
       cute::warpgroup_commit_batch();
     } else {
@@ -652,18 +654,27 @@ __global__ void __launch_bounds__(kTcThreads)
     }
     return;
   }
+  // The normalised output leaves through shared memory (the q and tile region: every warp is
+  // past its last read of it), so that each row is written in 16-byte stores; stored straight
+  // from the accumulators it took a 4-byte store a lane per column pair, which filled the
+  // load/store queue (~8% of a 64k chunk's time on an H200).
+  __syncthreads();
+  uint16_t* out_s = smem;  // [kTcHeads][ld]: rows ld = h + kPad apart, so the lanes' stores are conflict-free
   const float inv_lo = 1.0f / l_lo, inv_hi = 1.0f / l_hi;
+  const int row_lo = group * 16 + g, row_hi = row_lo + 8;
 #pragma unroll
   for (int b = 0; b < kMaxOutBlocks; ++b) {
     if (b >= out_blocks) break;
-    const int64_t col = col0 + b * 8 + 2 * c;
-    if (head_lo < n_n) {
-      *reinterpret_cast<uint32_t*>(out + (t * n_n + head_lo) * h_n + col) =
-          PackBf16(o[b][0] * inv_lo, o[b][1] * inv_lo);
-    }
-    if (head_hi < n_n) {
-      *reinterpret_cast<uint32_t*>(out + (t * n_n + head_hi) * h_n + col) =
-          PackBf16(o[b][2] * inv_hi, o[b][3] * inv_hi);
+    const int col = col0 + b * 8 + 2 * c;
+    *reinterpret_cast<uint32_t*>(out_s + row_lo * ld + col) = PackBf16(o[b][0] * inv_lo, o[b][1] * inv_lo);
+    *reinterpret_cast<uint32_t*>(out_s + row_hi * ld + col) = PackBf16(o[b][2] * inv_hi, o[b][3] * inv_hi);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < kTcHeads * chunks; e += kTcThreads) {
+    const int r = e / chunks, k = 8 * (e % chunks);
+    if (head0 + r < n_n) {
+      *reinterpret_cast<uint4*>(out + (t * n_n + head0 + r) * h_n + k) =
+          *reinterpret_cast<const uint4*>(out_s + r * ld + k);
     }
   }
 }

@@ -45,6 +45,19 @@ __device__ __forceinline__ uint64_t WgmmaDescriptor(const void* start, uint32_t 
          static_cast<uint64_t>((mn_bytes >> 4) & 0x3fff) << 32;
 }
 
+// `descriptor` moved `bytes` further along its operand (the start address field counts 16-byte
+// units and an operand lies within shared memory, so the add never carries out of it).
+__device__ __forceinline__ uint64_t WgmmaDescriptorAt(uint64_t descriptor, uint32_t bytes) {
+  return descriptor + (bytes >> 4);
+}
+
+// This thread's warpgroup, broadcast from lane 0 so that the compiler knows it is one value
+// across the warp: descriptors computed from it live in uniform registers (from threadIdx.x
+// alone, every wgmma waited on four register-to-uniform moves of its descriptors).
+__device__ __forceinline__ int WarpgroupIndex() {
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+}
+
 // Makes this thread's generic-proxy shared-memory writes visible to the wgmma reads (async
 // proxy) that follow a barrier.
 __device__ __forceinline__ void FenceSharedForAsyncProxy() {
