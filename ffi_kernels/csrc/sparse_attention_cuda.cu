@@ -156,6 +156,7 @@ constexpr int kPad = 8;
 constexpr int kMaxOutBlocks = kMaxHeadDim / 2 / 8;  // 8-column blocks of a warp's output half
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kEmptyMax = -1e30f;  // the running max of a split part with no rows yet (finite: no inf - inf)
+constexpr float kMaxSlack = 8.0f;    // how far (log2) scores may pass the running max before it moves
 constexpr int kMaxScales = 16;       // scale bytes per row the staging holds (TensorCoreServes)
 constexpr int kScaleLoads = kTile * kMaxScales / kTcThreads;  // a tile's scale bytes per thread
 
@@ -536,8 +537,19 @@ __global__ void __launch_bounds__(kTcThreads)
       }
     }
     max_lo = QuadMax(max_lo), max_hi = QuadMax(max_hi);
-    const float c_lo = exp2f(m_lo - max_lo), c_hi = exp2f(m_hi - max_hi);
-    m_lo = max_lo, m_hi = max_hi;
+    // A lazy running max (as in FlashAttention-4): m moves only when a row of the warp outgrows
+    // it by more than kMaxSlack, so that most tiles skip the 128 multiplies that rescale o and l.
+    // Meanwhile P = 2^(s - m) <= 2^kMaxSlack, which the f32 sums and bf16 P carry at the same
+    // relative precision. (Both warps of a head group hold the same S, so they move together.)
+    if (__any_sync(0xffffffffu, max_lo > m_lo + kMaxSlack || max_hi > m_hi + kMaxSlack)) {
+      const float c_lo = exp2f(m_lo - max_lo), c_hi = exp2f(m_hi - max_hi);
+      m_lo = max_lo, m_hi = max_hi;
+      l_lo *= c_lo, l_hi *= c_hi;
+#pragma unroll
+      for (int b = 0; b < kMaxOutBlocks; ++b) {
+        o[b][0] *= c_lo, o[b][1] *= c_lo, o[b][2] *= c_hi, o[b][3] *= c_hi;
+      }
+    }
     float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
     for (int b = 0; b < kScoreBlocks; ++b) {
@@ -549,11 +561,7 @@ __global__ void __launch_bounds__(kTcThreads)
         sum_hi += sc[b][2 + i];
       }
     }
-    l_lo = l_lo * c_lo + sum_lo, l_hi = l_hi * c_hi + sum_hi;
-#pragma unroll
-    for (int b = 0; b < kMaxOutBlocks; ++b) {
-      o[b][0] *= c_lo, o[b][1] *= c_lo, o[b][2] *= c_hi, o[b][3] *= c_hi;
-    }
+    l_lo += sum_lo, l_hi += sum_hi;
 
     // O += P V over this warp's output half; P's accumulator fragments are the A fragments.
     uint32_t p_frag[kTile / 16][4];
