@@ -29,11 +29,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cute/arch/mma_sm90_gmma.hpp>
 
 #include "cuda_common.h"
 #include "cuda_tiles.h"
 #include "op_args.h"
+#include "wgmma.h"
 
 extern "C" int64_t Dsv4IndexerScratchColumns(int64_t t, int64_t s, int64_t i, int64_t j);
 extern "C" int64_t Dsv4MultiprocessorCount();  // sparse_attention_cuda.cu
@@ -330,46 +330,19 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
 // warp's 16 candidates: the ReLU-weighted head sum needs no other warp. The products are
 // asynchronous: while tile n's run from one key buffer, the block decodes tile n + 1 into the
 // other (its keys loaded into registers a tile ahead), then waits for them.
-// Shared memory holds the operands in the no-swizzle K-major layout (8 x 16-byte core
-// matrices): row r, 16-byte chunk c (8 values) of a 64 x 128 tile at byte
-// ((r / 8) * 16 + c) * 128 + (r % 8) * 16, so a k-step of 16 is two chunks 128 bytes apart
-// (the leading byte offset) and 8-row groups are 2048 bytes apart (the stride byte offset).
+// q and the keys are K-major operands in shared memory (wgmma.h's core-matrix layout, 16 chunks
+// a row): a k-step of 16 is two chunks, 128 bytes apart, and 8-row groups are 2048 bytes apart.
 // The decode's 16-byte stores of 8 consecutive rows fill one 128-byte line: conflict-free.
 namespace wgmma {
-constexpr int kTileBytes = kMmaRows * index_fp4::kDim * 2;  // a 64 x 128 bf16 tile
+constexpr int kChunks = index_fp4::kDim / 8;       // 16-byte chunks a row
+constexpr int kTileBytes = kMmaRows * kChunks * 16;  // a 64 x 128 bf16 tile
 // q (two queries) and two key buffers.
 constexpr size_t kRegionBytes = 2 * kTileBytes + 2 * kTileBytes;
-
-// Whether this compilation's paired FP4 scoring is WgmmaPairScores (SM90a code) or MmaScores
-// (the host asks PairedWgmmaOnDevice).
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-constexpr bool kPaired = true;
-constexpr int kCoreBytes = 128, kGroupBytes = (index_fp4::kDim / 8) * kCoreBytes;
-
-// The byte offset of row r's 16-byte chunk c in a tile (the layout above).
-__device__ __forceinline__ int ChunkOffset(int r, int c) {
-  return (r / 8) * kGroupBytes + c * kCoreBytes + (r % 8) * 16;
-}
-
-// The matrix descriptor of k-step kk of the tile at `tile` (no swizzle).
-__device__ __forceinline__ uint64_t Descriptor(const unsigned char* tile, int kk) {
-  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(tile + kk * 2 * kCoreBytes));
-  return static_cast<uint64_t>((address >> 4) & 0x3fff) | static_cast<uint64_t>(kCoreBytes >> 4) << 16 |
-         static_cast<uint64_t>(kGroupBytes >> 4) << 32;
-}
-
-// Makes this thread's generic-proxy shared-memory writes visible to wgmma's (async proxy) reads
-// that follow a barrier.
-__device__ __forceinline__ void FenceSharedForAsyncProxy() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-#else
-constexpr bool kPaired = false;
-#endif
 }  // namespace wgmma
 
 // The fused kernel's scoring region for `queries` queries a block: wgmma's operands where the
-// paired FP4 scoring runs on wgmma, else RegionBytes.
+// paired FP4 scoring runs on wgmma (SM90a code; the host asks PairedWgmmaOnDevice), else
+// RegionBytes.
 DSV4_HD size_t FusedRegionBytes(int64_t i, int64_t j, int queries, bool paired_wgmma) {
   return queries > 1 && paired_wgmma ? wgmma::kRegionBytes : RegionBytes(i, j, queries);
 }
@@ -378,20 +351,19 @@ template <class Sink>
 __device__ void WgmmaPairScores(const uint16_t* q, const float* w, const TableView& keys, const int32_t* page_table,
                                 int64_t p_n, int64_t epp, const int64_t* ts, int64_t begin, const int64_t* ends,
                                 int64_t end, int64_t i_n, unsigned char* smem, Sink& sink) {
-#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  __trap();  // compiled out: wgmma::kPaired is false here
-#else
   using namespace wgmma;
+  using Gmma = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+  // The descriptor of the tile at `tile`; k-step kk reads WgmmaDescriptorAt(it, kk * 2 * 128).
+  auto descriptor = [](const unsigned char* tile) { return WgmmaDescriptor(tile, 128, kChunks * 128); };
   __shared__ int64_t rows_s[2][kMmaRows];  // stored row of each candidate of the tile (-1 past the end)
   unsigned char* q_s = smem;  // [2 queries][64 heads][128], core-matrix layout
   auto key_buffer = [&](int b) { return smem + (2 + b) * kTileBytes; };
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, u = warp / 4, g = lane / 4, c = lane % 4;
   const int row0 = 16 * (warp % 4) + g;  // this lane's candidates: row0 and row0 + 8 of the tile
   const int32_t* pages = page_table + ts[0] * p_n;
-  constexpr int kChunks = index_fp4::kDim / 8;
   for (int e = threadIdx.x; e < 2 * kMmaRows * kChunks; e += kThreads) {  // all copies in flight at once
     const int v = e / (kMmaRows * kChunks), r = e / kChunks % kMmaRows, k = e % kChunks;
-    unsigned char* dst = q_s + v * kTileBytes + ChunkOffset(r, k);
+    unsigned char* dst = q_s + v * kTileBytes + CoreChunkOffset(r, k, kChunks);
     if (r < i_n) {
       CopyAsync16(dst, q + (ts[v] * i_n + r) * index_fp4::kDim + 8 * k);
     } else {
@@ -421,7 +393,9 @@ __device__ void WgmmaPairScores(const uint16_t* q, const float* w, const TableVi
     uint4 chunks[4];
     fp4.Decode(chunks);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) *reinterpret_cast<uint4*>(dst + ChunkOffset(quarter_row, 4 * quarter + e)) = chunks[e];
+    for (int e = 0; e < 4; ++e) {
+      *reinterpret_cast<uint4*>(dst + CoreChunkOffset(quarter_row, 4 * quarter + e, kChunks)) = chunks[e];
+    }
   };
   resolve_rows(rows_s[0], begin);
   __syncthreads();  // the first tile's rows resolved
@@ -432,22 +406,18 @@ __device__ void WgmmaPairScores(const uint16_t* q, const float* w, const TableVi
   FenceSharedForAsyncProxy();
   __syncthreads();  // q and the first tile in shared memory; the second tile's rows resolved
   if (begin + kMmaRows < end) load_tile(rows_s[1]);
-  const unsigned char* q_u = q_s + u * kTileBytes;
+  const uint64_t q_u = descriptor(q_s + WarpgroupIndex() * kTileBytes);
   // Tile n: products from buffer n % 2 issued; tile n + 1 decoded into the other and tile
   // n + 2's rows resolved while they run; wait; scores emitted; one barrier; tile n + 2 loaded.
   for (int64_t base = begin, n = 0; base < end; base += kMmaRows, ++n) {
     const int b = static_cast<int>(n % 2);
     float acc[32];
-#pragma unroll
-    for (int e = 0; e < 32; ++e) cute::warpgroup_fence_operand(acc[e]);
+    const uint64_t keys_b = descriptor(key_buffer(b));
+    FenceOperands(acc);
     cute::warpgroup_arrive();
 #pragma unroll
     for (int kk = 0; kk < index_fp4::kDim / 16; ++kk) {
-      cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>::fma(
-          Descriptor(key_buffer(b), kk), Descriptor(q_u, kk), acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6],
-          acc[7], acc[8], acc[9], acc[10], acc[11], acc[12], acc[13], acc[14], acc[15], acc[16], acc[17], acc[18],
-          acc[19], acc[20], acc[21], acc[22], acc[23], acc[24], acc[25], acc[26], acc[27], acc[28], acc[29], acc[30],
-          acc[31], kk == 0 ? cute::SM90::GMMA::ScaleOut::Zero : cute::SM90::GMMA::ScaleOut::One);
+      WgmmaSs<Gmma>(WgmmaDescriptorAt(keys_b, kk * 2 * 128), WgmmaDescriptorAt(q_u, kk * 2 * 128), acc, kk > 0);
     }
     cute::warpgroup_commit_batch();
     if (base + kMmaRows < end) {
@@ -456,8 +426,7 @@ __device__ void WgmmaPairScores(const uint16_t* q, const float* w, const TableVi
     }
     resolve_rows(rows_s[b], base + 2 * kMmaRows);
     cute::warpgroup_wait<0>();
-#pragma unroll
-    for (int e = 0; e < 32; ++e) cute::warpgroup_fence_operand(acc[e]);
+    FenceOperands(acc);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // candidate row0, then row0 + 8: acc[4 j + 2 r + h] is head 8 j + 2c + h
       float v = 0.0f;
@@ -474,7 +443,6 @@ __device__ void WgmmaPairScores(const uint16_t* q, const float* w, const TableVi
     sink.Barrier();  // buffer b read (every warpgroup waited); tile n + 1 decoded; rows of n + 2
     if (base + 2 * kMmaRows < end) load_tile(rows_s[b]);
   }
-#endif
 }
 
 // Scores of candidates [begin, end) of query t into `sink` in f32 FMA: q in f32 in shared
@@ -521,7 +489,7 @@ __device__ void Scores(const void* q, Elem q_type, const float* w, const TableVi
                        int64_t j_n, unsigned char* smem, Sink& sink) {
   int64_t end = ends[0];
   for (int u = 1; u < kQueries; ++u) end = max(end, ends[u]);
-  if constexpr (kScorer == Scorer::kMmaIndexFp4 && kQueries == 2 && wgmma::kPaired) {
+  if constexpr (kScorer == Scorer::kMmaIndexFp4 && kQueries == 2 && kWgmmaCompiled) {
     WgmmaPairScores(static_cast<const uint16_t*>(q), w, keys, page_table, p_n, epp, ts, begin, ends, end, i_n, smem,
                     sink);
   } else if constexpr (kScorer != Scorer::kScalar) {
@@ -864,7 +832,8 @@ __global__ void __launch_bounds__(kThreads, TopkBlocksPerSm(kScorer, kQueries))
                       int64_t i_n, int64_t j_n, int64_t k_n) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ Selection sel[kQueries];
-  auto* pool = reinterpret_cast<uint64_t*>(smem + (scores ? 0 : FusedRegionBytes(i_n, j_n, kQueries, wgmma::kPaired)));
+  const size_t region = scores ? 0 : FusedRegionBytes(i_n, j_n, kQueries, kWgmmaCompiled);
+  auto* pool = reinterpret_cast<uint64_t*>(smem + region);
   const int64_t t0 = kQueries * static_cast<int64_t>(blockIdx.x);
   if constexpr (kQueries == 1) {
     SelectTopk<kScorer, 1>(q, q_type, w, keys, page_table, p_n, epp, limit, scores, ids, i_n, j_n, k_n, &t0, smem,
@@ -912,7 +881,7 @@ constexpr decltype(&IndexerTopkKernel<Scorer::kScalar, 1>) kTopkKernels[] = {
     IndexerTopkKernel<Scorer::kMmaIndexFp4, 1>};
 constexpr auto kPairedTopkKernel = IndexerTopkKernel<Scorer::kMmaIndexFp4, kMaxPairedQueries>;
 
-// Whether the current device runs the paired kernel's SM90a code (wgmma::kPaired there): compute
+// Whether the current device runs the paired kernel's SM90a code (kWgmmaCompiled there): compute
 // capability 9 (the build's 90a; an SM120 device runs its 120a code).
 bool PairedWgmmaOnDevice() {
   int device = 0, major = 0;

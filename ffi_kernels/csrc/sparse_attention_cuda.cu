@@ -5,8 +5,9 @@
 // scale bytes a row; head dim a multiple of 32 up to 512): one block per (query, 64 heads), 8
 // warps. Each tile of kTile selected rows is decoded once into shared memory as bf16 (e4m3 x
 // E8M0 is exact in bf16) and used by all 64 heads: S = Q K^T and O += P V run on mma.sync
-// m16n8k16 (bf16 in, f32 accumulate; the same code serves SM90 and SM120). Warp w owns heads
-// 16 (w % 4) .. +16 and output columns (w / 4) * H/2 .. +H/2. The two warps of a head group
+// m16n8k16 (bf16 in, f32 accumulate; the same code serves SM90 and SM120), or, for the FLASH
+// FP8 layout in the SM90a code, on wgmma with the same register layouts (wgmma.h). Warp w owns
+// heads 16 (w % 4) .. +16 and output columns (w / 4) * H/2 .. +H/2. The two warps of a head group
 // each compute its S over half of the head dim and add the other's half from shared memory, so
 // both hold the whole S (a + b == b + a) without either computing all of it.
 // Softmax online with the sink as the starting max (m = sink, l = 1), in base 2.
@@ -34,6 +35,7 @@
 #include "cuda_common.h"
 #include "cuda_tiles.h"
 #include "op_args.h"
+#include "wgmma.h"
 
 namespace dsv4 {
 namespace {
@@ -154,21 +156,30 @@ constexpr int kPad = 8;
 constexpr int kMaxOutBlocks = kMaxHeadDim / 2 / 8;  // 8-column blocks of a warp's output half
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kEmptyMax = -1e30f;  // the running max of a split part with no rows yet (finite: no inf - inf)
+constexpr float kMaxSlack = 8.0f;    // how far (log2) scores may pass the running max before it moves
 constexpr int kMaxScales = 16;       // scale bytes per row the staging holds (TensorCoreServes)
 constexpr int kScaleLoads = kTile * kMaxScales / kTcThreads;  // a tile's scale bytes per thread
 
 // A staged row of table t: its stored value bytes, then its rope from the next 16-byte
 // boundary (16-byte reads); the staging stride of a tile row is the largest of the three
-// tables' staged rows, rounded up to 16 bytes.
+// tables' staged rows, padded by ConflictFreeStride.
 DSV4_HD int64_t RopeOffset(const TableView& t) { return (t.value_bytes() + 15) / 16 * 16; }
 DSV4_HD int64_t RowBytes(const TableView& t) { return RopeOffset(t) + t.rope_width * 2; }
+
+// Rows of `bytes` padded to an odd number of 16-byte units, so that the same 16-byte column of
+// eight consecutive rows lies in eight different bank groups (shared memory serves a warp's
+// 16-byte accesses eight lanes at a time, conflict-free when those eight differ).
+constexpr int64_t ConflictFreeStride(int64_t bytes) {
+  const int64_t units = (bytes + 15) / 16;
+  return 16 * (units % 2 == 1 ? units : units + 1);
+}
 
 int64_t StageStride(const TableView& ring, const TableView& fresh, const TableView& comp) {
   int64_t most = 0;
   for (const TableView* t : {&ring, &fresh, &comp}) {
     if (t->rows > 0) most = std::max(most, RowBytes(*t));  // an empty table is never read
   }
-  return (most + 15) / 16 * 16;
+  return ConflictFreeStride(most);
 }
 
 constexpr int kTcWarps = kTcThreads / 32;
@@ -241,8 +252,9 @@ __device__ __forceinline__ void StageTile(const Slot* slots, const TableView* vi
 // table lookups, divisions or format branches: those were most of a tile's instructions).
 namespace flash_fp8 {
 constexpr int kValues = 448, kBlock = 64, kScales = 7, kRope = 64, kHead = 512;
-constexpr int kBytes = kValues + 2 * kRope;  // a staged row
-constexpr int kRopeUnits = 2 * kRope / 16;   // its rope's 16-byte copies
+constexpr int kBytes = kValues + 2 * kRope;                // a staged row
+constexpr int kStageLd = ConflictFreeStride(kBytes);       // its stride (StageStride's)
+constexpr int kRopeUnits = 2 * kRope / 16;                 // its rope's 16-byte copies
 }  // namespace flash_fp8
 
 bool IsFlashFp8(const TableView& t) {
@@ -252,55 +264,57 @@ bool IsFlashFp8(const TableView& t) {
 }
 
 // StageTile and the decode for the FLASH FP8 layout, each thread on bytes of its own, so that a
-// tile needs no block barrier between its copies landing and its decode: thread g < 224 takes
-// scale block g % 7 of row g / 7 (64 e4m3 bytes in four 16-byte copies, its scale byte into
-// `scale`) and every thread the 16-byte rope unit t % 8 of row t / 8 (constant offsets: no
-// per-chunk table lookups, divisions or format branches).
+// tile needs no block barrier between its copies landing and its decode. Thread t takes row
+// t % 32 and part p = t / 32 of it (a warp's lanes are the tile's rows): scale block p < 7 (64
+// e4m3 bytes in four 16-byte copies, its scale byte into `scale`) and 16-byte rope unit p.
+// Staged rows kStageLd apart and decoded rows in either layout put the eight lanes of each
+// 16-byte access in eight bank groups: no shared-memory conflicts (the previous mapping, seven
+// lanes a row, had 4- to 8-way conflicts on every decode access).
 __device__ __forceinline__ void StageFlashFp8Tile(const Slot* slots, const TableView* views, unsigned char* stage,
                                                   uint8_t& scale) {
   using namespace flash_fp8;
+  static_assert(kTcThreads == kTile * kRopeUnits && kScales <= kRopeUnits, "a warp per rope unit and scale block");
   scale = 127;
-  if (threadIdx.x < kTile * kScales) {
-    const int r = threadIdx.x / kScales, b = threadIdx.x % kScales;
-    const Slot slot = slots[r];
-    if (slot.table >= 0) {
-      const TableView& v = views[slot.table];
-      const unsigned char* src = static_cast<const unsigned char*>(v.values) + slot.row * kValues + kBlock * b;
-#pragma unroll
-      for (int k = 0; k < kBlock / 16; ++k) CopyAsync16(stage + r * kBytes + kBlock * b + 16 * k, src + 16 * k);
-      scale = v.scales[slot.row * kScales + b];
-    }
-  }
-  const int r = threadIdx.x / kRopeUnits, u = threadIdx.x % kRopeUnits;
+  const int r = threadIdx.x % kTile, part = threadIdx.x / kTile;
   const Slot slot = slots[r];
-  if (slot.table >= 0) {
-    CopyAsync16(stage + r * kBytes + kValues + 16 * u,
-                static_cast<const unsigned char*>(views[slot.table].rope) + slot.row * (2 * kRope) + 16 * u);
+  if (slot.table < 0) return;
+  const TableView& v = views[slot.table];
+  unsigned char* row = stage + r * kStageLd;
+  if (part < kScales) {
+    const unsigned char* src = static_cast<const unsigned char*>(v.values) + slot.row * kValues + kBlock * part;
+#pragma unroll
+    for (int k = 0; k < kBlock / 16; ++k) CopyAsync16(row + kBlock * part + 16 * k, src + 16 * k);
+    scale = v.scales[slot.row * kScales + part];
   }
+  CopyAsync16(row + kValues + 16 * part, static_cast<const unsigned char*>(v.rope) + slot.row * (2 * kRope) + 16 * part);
 }
 
-// The decode of this thread's part of a staged FLASH FP8 tile (StageFlashFp8Tile's) into kv.
+// The decode of this thread's part of a staged FLASH FP8 tile (StageFlashFp8Tile's) into kv:
+// rows of ld values, or (kCoreLayout) wgmma.h's core-matrix layout of 64 chunks a row.
+template <bool kCoreLayout>
 __device__ __forceinline__ void DecodeFlashFp8Tile(const Slot* tile, const unsigned char* stage, uint8_t scale_byte,
                                                    uint16_t* kv, int ld) {
   using namespace flash_fp8;
-  static_assert(kTile * kRopeUnits == kTcThreads, "one rope unit a thread");
+  auto chunk = [&](int r, int c) {  // row r's 16-byte chunk c (values 8c .. 8c + 7)
+    unsigned char* bytes = reinterpret_cast<unsigned char*>(kv);
+    const int offset = kCoreLayout ? CoreChunkOffset(r, c, kHead / 8) : 2 * (r * ld + 8 * c);
+    return reinterpret_cast<uint4*>(bytes + offset);
+  };
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  if (threadIdx.x < kTile * kScales) {
-    const int r = threadIdx.x / kScales, b = threadIdx.x % kScales;
-    uint4* dst = reinterpret_cast<uint4*>(kv + r * ld + kBlock * b);
-    const uint4* src = reinterpret_cast<const uint4*>(stage + r * kBytes + kBlock * b);
-    const bool valid = tile[r].table >= 0;
+  const int r = threadIdx.x % kTile, part = threadIdx.x / kTile;
+  const bool valid = tile[r].table >= 0;
+  const unsigned char* row = stage + r * kStageLd;
+  if (part < kScales) {
+    const uint4* src = reinterpret_cast<const uint4*>(row + kBlock * part);
     const float scale = E8m0ToFloat(scale_byte);
 #pragma unroll
     for (int k = 0; k < kBlock / 16; ++k) {
       const uint4 w = src[k];  // (an empty slot's stale bytes: decoded, then not stored)
-      dst[2 * k] = valid ? E4m3EightToBf16(make_uint2(w.x, w.y), scale) : zero;
-      dst[2 * k + 1] = valid ? E4m3EightToBf16(make_uint2(w.z, w.w), scale) : zero;
+      *chunk(r, kBlock / 8 * part + 2 * k) = valid ? E4m3EightToBf16(make_uint2(w.x, w.y), scale) : zero;
+      *chunk(r, kBlock / 8 * part + 2 * k + 1) = valid ? E4m3EightToBf16(make_uint2(w.z, w.w), scale) : zero;
     }
   }
-  const int r = threadIdx.x / kRopeUnits, u = threadIdx.x % kRopeUnits;
-  *reinterpret_cast<uint4*>(kv + r * ld + kValues + 8 * u) =
-      tile[r].table >= 0 ? *reinterpret_cast<const uint4*>(stage + r * kBytes + kValues + 16 * u) : zero;
+  *chunk(r, kValues / 8 + part) = valid ? *reinterpret_cast<const uint4*>(row + kValues + 16 * part) : zero;
 }
 
 // The on-chip merge of a cluster's split parts (the file comment): out = sum_s 2^(m_s - M) o_s /
@@ -352,10 +366,13 @@ __global__ void __launch_bounds__(kTcThreads)
   // n - 1, its mask in n.
   __shared__ Slot slots[kSlotBuffers][kTile];
   __shared__ TableView views[3];
-  const int ld = h_n + kPad;
-  uint16_t* q_s = smem;                       // [kTcHeads][ld]
-  uint16_t* kv_s = smem + kTcHeads * ld;      // [2][kTile][ld]: tile n in kv_s[n % 2]
-  unsigned char* stage = reinterpret_cast<unsigned char*>(kv_s + 2 * kTile * ld);  // [kTile][stage_ld]
+  // kWgmma (the FLASH FP8 layout, SM90a code): S = Q K^T and O += P V on wgmma, q and the
+  // tiles in wgmma.h's core-matrix layout (no row padding); otherwise mma.sync from padded rows.
+  constexpr bool kWgmma = kFlashFp8 && kWgmmaCompiled;
+  const int ld = h_n + kPad, row_elems = kWgmma ? h_n : ld;
+  uint16_t* q_s = smem;                         // [kTcHeads][row_elems]
+  uint16_t* kv_s = smem + kTcHeads * row_elems;  // [2][kTile][row_elems]: tile n in kv_s[n % 2]
+  unsigned char* stage = reinterpret_cast<unsigned char*>(kv_s + 2 * kTile * row_elems);  // [kTile][stage_ld]
   uint8_t* scales_s = stage + kTile * stage_ld;                                     // [kTile][kMaxScales]
   float4* half_s = reinterpret_cast<float4*>(scales_s + kTile * kMaxScales);        // [warp][block][lane]
   const int64_t t = blockIdx.x, head0 = static_cast<int64_t>(blockIdx.y) * kTcHeads;
@@ -371,10 +388,12 @@ __global__ void __launch_bounds__(kTcThreads)
   for (int e = threadIdx.x; e < kTcHeads * chunks; e += kTcThreads) {  // lands with the first tile
     const int r = e / chunks, k = 8 * (e % chunks);
     const int64_t head = head0 + r;
+    void* dst = kWgmma ? static_cast<void*>(reinterpret_cast<unsigned char*>(q_s) + CoreChunkOffset(r, k / 8, chunks))
+                       : static_cast<void*>(q_s + r * ld + k);
     if (head < n_n) {
-      CopyAsync16(q_s + r * ld + k, q + (t * n_n + head) * h_n + k);
+      CopyAsync16(dst, q + (t * n_n + head) * h_n + k);
     } else {
-      *reinterpret_cast<uint4*>(q_s + r * ld + k) = make_uint4(0, 0, 0, 0);
+      *static_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
     }
   }
   static_assert(!kFlashFp8 || kFixedH == flash_fp8::kHead, "the FLASH FP8 layout decodes to 512 values");
@@ -393,7 +412,8 @@ __global__ void __launch_bounds__(kTcThreads)
   auto decode_tile = [&](const Slot* tile, uint16_t* kv) {
     CopyAsyncCommitAndWaitAll();
     if constexpr (kFlashFp8) {
-      DecodeFlashFp8Tile(tile, stage, scale_regs[0], kv, ld);
+      DecodeFlashFp8Tile<kWgmma>(tile, stage, scale_regs[0], kv, ld);
+      if constexpr (kWgmma) FenceSharedForAsyncProxy();  // read by the next wgmma, after a barrier
     } else {
 #pragma unroll
       for (int i = 0; i < kScaleLoads; ++i) scales_s[threadIdx.x + i * kTcThreads] = scale_regs[i];
@@ -411,7 +431,7 @@ __global__ void __launch_bounds__(kTcThreads)
       __syncthreads();
     }
   };
-  auto decoded_tile = [&](int i) { return kv_s + (i % 2) * kTile * ld; };  // tile i's buffer
+  auto decoded_tile = [&](int i) { return kv_s + (i % 2) * kTile * row_elems; };  // tile i's buffer
   // Pipeline: while tile n is computed from kv_s[n % 2], tile n + 1 is decoded into the other
   // buffer by whichever warps are done with tile n (one block barrier a tile), tile n + 2's
   // bytes are on their way (cp.async, no registers held) and tile n + 3's slots resolved.
@@ -450,20 +470,46 @@ __global__ void __launch_bounds__(kTcThreads)
     // S = Q K^T: this group's 16 heads x the tile's rows, this warp over its half of the head
     // dim; then the group's other warp's half added (a pair barrier: warps w and w + 4).
     float sc[kScoreBlocks][4];
+    if constexpr (kWgmma) {
+      // Warpgroup `half`: all 64 heads (warp w's 16 are its group's) x the tile's 32 rows over
+      // its half of the head dim, m64n32k16 from shared memory; the accumulators are sc's
+      // layout. Nothing else is in flight (the last tile's P V was waited for before the
+      // block barrier), so the wait covers only these.
+      using Atom = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                                cute::SM90::GMMA::Major::K>;
+      float(&acc)[kScoreBlocks * 4] = reinterpret_cast<float(&)[kScoreBlocks * 4]>(sc);
+      // Core matrices: 128 bytes apart along K (a row's next chunk), kGroupBytes along M / N.
+      constexpr int kChunks = flash_fp8::kHead / 8, kGroupBytes = kChunks * 128;
+      const int half_chunk = WarpgroupIndex() * kChunks / 2;  // this warpgroup's first chunk of the head dim
+      const uint64_t q_half = WgmmaDescriptor(reinterpret_cast<const unsigned char*>(q_s) + half_chunk * 128, 128,
+                                              kGroupBytes);
+      const uint64_t k_half = WgmmaDescriptor(reinterpret_cast<const unsigned char*>(kv) + half_chunk * 128, 128,
+                                              kGroupBytes);
+      FenceOperands(acc);
+      cute::warpgroup_arrive();
 #pragma unroll
-    for (int b = 0; b < kScoreBlocks; ++b) sc[b][0] = sc[b][1] = sc[b][2] = sc[b][3] = 0.0f;
-    const int k_begin = half * (h_n / 2);
+      for (int kk = 0; kk < flash_fp8::kHead / 2 / 16; ++kk) {  // two 16-byte chunks a k-step
+        WgmmaSs<Atom>(WgmmaDescriptorAt(q_half, kk * 2 * 128), WgmmaDescriptorAt(k_half, kk * 2 * 128), acc, kk > 0);
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      FenceOperands(acc);
+    } else {
+#pragma unroll
+      for (int b = 0; b < kScoreBlocks; ++b) sc[b][0] = sc[b][1] = sc[b][2] = sc[b][3] = 0.0f;
+      const int k_begin = half * (h_n / 2);
 #pragma unroll 4
-    for (int k0 = k_begin; k0 < k_begin + h_n / 2; k0 += 16) {
-      uint32_t a[4];
-      LdMatrixX4(a, q_s + (group * 16 + lane % 16) * ld + k0 + (lane / 16) * 8);
+      for (int k0 = k_begin; k0 < k_begin + h_n / 2; k0 += 16) {
+        uint32_t a[4];
+        LdMatrixX4(a, q_s + (group * 16 + lane % 16) * ld + k0 + (lane / 16) * 8);
 #pragma unroll
-      for (int b = 0; b < kScoreBlocks; b += 2) {
-        uint32_t kb[4];
-        const int m = lane / 8;
-        LdMatrixX4(kb, kv + (b * 8 + (m / 2) * 8 + lane % 8) * ld + k0 + (m % 2) * 8);
-        Mma(sc[b], a, kb[0], kb[1]);
-        Mma(sc[b + 1], a, kb[2], kb[3]);
+        for (int b = 0; b < kScoreBlocks; b += 2) {
+          uint32_t kb[4];
+          const int m = lane / 8;
+          LdMatrixX4(kb, kv + (b * 8 + (m / 2) * 8 + lane % 8) * ld + k0 + (m % 2) * 8);
+          Mma(sc[b], a, kb[0], kb[1]);
+          Mma(sc[b + 1], a, kb[2], kb[3]);
+        }
       }
     }
 #pragma unroll
@@ -491,8 +537,19 @@ __global__ void __launch_bounds__(kTcThreads)
       }
     }
     max_lo = QuadMax(max_lo), max_hi = QuadMax(max_hi);
-    const float c_lo = exp2f(m_lo - max_lo), c_hi = exp2f(m_hi - max_hi);
-    m_lo = max_lo, m_hi = max_hi;
+    // A lazy running max (as in FlashAttention-4): m moves only when a row of the warp outgrows
+    // it by more than kMaxSlack, so that most tiles skip the 128 multiplies that rescale o and l.
+    // Meanwhile P = 2^(s - m) <= 2^kMaxSlack, which the f32 sums and bf16 P carry at the same
+    // relative precision. (Both warps of a head group hold the same S, so they move together.)
+    if (__any_sync(0xffffffffu, max_lo > m_lo + kMaxSlack || max_hi > m_hi + kMaxSlack)) {
+      const float c_lo = exp2f(m_lo - max_lo), c_hi = exp2f(m_hi - max_hi);
+      m_lo = max_lo, m_hi = max_hi;
+      l_lo *= c_lo, l_hi *= c_hi;
+#pragma unroll
+      for (int b = 0; b < kMaxOutBlocks; ++b) {
+        o[b][0] *= c_lo, o[b][1] *= c_lo, o[b][2] *= c_hi, o[b][3] *= c_hi;
+      }
+    }
     float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
     for (int b = 0; b < kScoreBlocks; ++b) {
@@ -504,26 +561,46 @@ __global__ void __launch_bounds__(kTcThreads)
         sum_hi += sc[b][2 + i];
       }
     }
-    l_lo = l_lo * c_lo + sum_lo, l_hi = l_hi * c_hi + sum_hi;
-#pragma unroll
-    for (int b = 0; b < kMaxOutBlocks; ++b) {
-      o[b][0] *= c_lo, o[b][1] *= c_lo, o[b][2] *= c_hi, o[b][3] *= c_hi;
-    }
+    l_lo += sum_lo, l_hi += sum_hi;
 
     // O += P V over this warp's output half; P's accumulator fragments are the A fragments.
+    uint32_t p_frag[kTile / 16][4];
 #pragma unroll
     for (int ks = 0; ks < kTile / 16; ++ks) {
-      const uint32_t a[4] = {PackBf16(sc[2 * ks][0], sc[2 * ks][1]), PackBf16(sc[2 * ks][2], sc[2 * ks][3]),
-                             PackBf16(sc[2 * ks + 1][0], sc[2 * ks + 1][1]),
-                             PackBf16(sc[2 * ks + 1][2], sc[2 * ks + 1][3])};
+      p_frag[ks][0] = PackBf16(sc[2 * ks][0], sc[2 * ks][1]);
+      p_frag[ks][1] = PackBf16(sc[2 * ks][2], sc[2 * ks][3]);
+      p_frag[ks][2] = PackBf16(sc[2 * ks + 1][0], sc[2 * ks + 1][1]);
+      p_frag[ks][3] = PackBf16(sc[2 * ks + 1][2], sc[2 * ks + 1][3]);
+    }
+    float(&o_acc)[kMaxOutBlocks * 4] = reinterpret_cast<float(&)[kMaxOutBlocks * 4]>(o);
+    if constexpr (kWgmma) {
+      // Warpgroup `half`: its 256 output columns, m64n256k16 with P from registers and V (the
+      // tile read with its rows along K: an MN-major operand) from shared memory. Left in
+      // flight while the next tile is decoded; waited for before the block barrier.
+      using Atom = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
+                                                                 cute::SM90::GMMA::Major::MN>;
+      constexpr int kChunks = flash_fp8::kHead / 8, kGroupBytes = kChunks * 128;
+      const uint64_t v_half = WgmmaDescriptor(
+          reinterpret_cast<const unsigned char*>(kv) + WarpgroupIndex() * (kChunks / 2) * 128, kGroupBytes, 128);
+      FenceOperands(o_acc);
+      cute::warpgroup_arrive();
 #pragma unroll
-      for (int b = 0; b < kMaxOutBlocks; b += 2) {
-        if (b < out_blocks) {
-          uint32_t vb[4];
-          const int m = lane / 8;
-          LdMatrixX4Trans(vb, kv + (ks * 16 + (m % 2) * 8 + lane % 8) * ld + col0 + b * 8 + (m / 2) * 8);
-          Mma(o[b], a, vb[0], vb[1]);
-          Mma(o[b + 1], a, vb[2], vb[3]);
+      for (int ks = 0; ks < kTile / 16; ++ks) {  // 16 rows: two 8-row groups a k-step
+        WgmmaRs<Atom>(p_frag[ks], WgmmaDescriptorAt(v_half, ks * 2 * kGroupBytes), o_acc, true);
+      }
+      cute::warpgroup_commit_batch();
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < kTile / 16; ++ks) {
+#pragma unroll
+        for (int b = 0; b < kMaxOutBlocks; b += 2) {
+          if (b < out_blocks) {
+            uint32_t vb[4];
+            const int m = lane / 8;
+            LdMatrixX4Trans(vb, kv + (ks * 16 + (m % 2) * 8 + lane % 8) * ld + col0 + b * 8 + (m / 2) * 8);
+            Mma(o[b], p_frag[ks], vb[0], vb[1]);
+            Mma(o[b + 1], p_frag[ks], vb[2], vb[3]);
+          }
         }
       }
     }
@@ -539,6 +616,12 @@ __global__ void __launch_bounds__(kTcThreads)
       slots[(n + kSlotBuffers - 1) % kSlotBuffers][threadIdx.x] =
           SlotOf(j, next_index, w_n, views[0].rows, views[1].rows, views[2].rows);
       next_index = SlotIndex(j + kTile, end, w_n, w_idx, x_idx);
+    }
+    if constexpr (kWgmma) {  // this tile's P V done before its buffer is decoded into again
+      cute::warpgroup_wait<0>();
+      FenceOperands(o_acc);
+      FenceOperands(p_frag[0]);
+      FenceOperands(p_frag[1]);
     }
     __syncthreads();  // tile n + 1 decoded, tile n + 3's slots resolved, every warp done with tile n
   }
@@ -579,18 +662,27 @@ __global__ void __launch_bounds__(kTcThreads)
     }
     return;
   }
+  // The normalised output leaves through shared memory (the q and tile region: every warp is
+  // past its last read of it), so that each row is written in 16-byte stores; stored straight
+  // from the accumulators it took a 4-byte store a lane per column pair, which filled the
+  // load/store queue (~8% of a 64k chunk's time on an H200).
+  __syncthreads();
+  uint16_t* out_s = smem;  // [kTcHeads][ld]: rows ld = h + kPad apart, so the lanes' stores are conflict-free
   const float inv_lo = 1.0f / l_lo, inv_hi = 1.0f / l_hi;
+  const int row_lo = group * 16 + g, row_hi = row_lo + 8;
 #pragma unroll
   for (int b = 0; b < kMaxOutBlocks; ++b) {
     if (b >= out_blocks) break;
-    const int64_t col = col0 + b * 8 + 2 * c;
-    if (head_lo < n_n) {
-      *reinterpret_cast<uint32_t*>(out + (t * n_n + head_lo) * h_n + col) =
-          PackBf16(o[b][0] * inv_lo, o[b][1] * inv_lo);
-    }
-    if (head_hi < n_n) {
-      *reinterpret_cast<uint32_t*>(out + (t * n_n + head_hi) * h_n + col) =
-          PackBf16(o[b][2] * inv_hi, o[b][3] * inv_hi);
+    const int col = col0 + b * 8 + 2 * c;
+    *reinterpret_cast<uint32_t*>(out_s + row_lo * ld + col) = PackBf16(o[b][0] * inv_lo, o[b][1] * inv_lo);
+    *reinterpret_cast<uint32_t*>(out_s + row_hi * ld + col) = PackBf16(o[b][2] * inv_hi, o[b][3] * inv_hi);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < kTcHeads * chunks; e += kTcThreads) {
+    const int r = e / chunks, k = 8 * (e % chunks);
+    if (head0 + r < n_n) {
+      *reinterpret_cast<uint4*>(out + (t * n_n + head0 + r) * h_n + k) =
+          *reinterpret_cast<const uint4*>(out_s + r * ld + k);
     }
   }
 }
