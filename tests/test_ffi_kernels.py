@@ -191,6 +191,16 @@ def test_attention_with_logits_over_many_octaves_matches_the_reference(t):
                           comp_slots=60, q_scale=8.0)
 
 
+@pytest.mark.parametrize("t", [3, 24])
+def test_fp8_attention_over_many_tiles_matches_the_reference(t):
+    # The model's FP8 layout with 400 selected pool rows a query besides the window: 14 tiles, so
+    # the CUDA kernel's tile pipeline wraps its buffers many times (on SM90 the warp-specialised
+    # kernel reuses its decoded and staging buffers, its producer waiting for the computing
+    # warpgroups); 3 queries split their rows over blocks, 24 do not.
+    _check_bf16_attention(np.random.default_rng(7 + t), EntryFormat.KV_FP8, 64, 512, 64, t, comp_rows=600,
+                          comp_slots=400)
+
+
 @pytest.mark.parametrize("ring_fmt, fresh_fmt, pool_fmt", [
     (EntryFormat.KV_FP8, EntryFormat.DENSE, EntryFormat.KV_FP8),  # FP8 ring and pool, bf16 fresh rows
     (EntryFormat.DENSE, EntryFormat.DENSE, EntryFormat.KV_FP8),   # bf16 window, FP8 pool
