@@ -268,8 +268,8 @@ bool IsFlashFp8(const TableView& t) {
 // t % 32 and part p = t / 32 of it (a warp's lanes are the tile's rows): scale block p < 7 (64
 // e4m3 bytes in four 16-byte copies, its scale byte into `scale`) and 16-byte rope unit p.
 // Staged rows kStageLd apart and decoded rows in either layout put the eight lanes of each
-// 16-byte access in eight bank groups: no shared-memory conflicts (the previous mapping, seven
-// lanes a row, had 4- to 8-way conflicts on every decode access).
+// 16-byte access in eight bank groups: no shared-memory conflicts (with seven lanes a row, the
+// decode's core-matrix stores were 8-way conflicts).
 __device__ __forceinline__ void StageFlashFp8Tile(const Slot* slots, const TableView* views, unsigned char* stage,
                                                   uint8_t& scale) {
   using namespace flash_fp8;
