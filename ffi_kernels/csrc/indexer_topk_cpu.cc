@@ -36,13 +36,9 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::F32> w, ffi::AnyBu
     for (int64_t s = 0; s < visible; ++s) {
       const int64_t page = page_table.typed_data()[t * p_n + s / epp];
       const int64_t row = page >= 0 ? std::min<int64_t>(page * epp + s % epp, keys.rows - 1) : keys.rows - 1;
-      for (int64_t j = 0; j < j_n; ++j) key[j] = DecodeEntry(keys, row, j);
+      DecodeRow(keys, row, key.data());
       float total = 0.0f;
-      for (int64_t i = 0; i < i_n; ++i) {
-        float dot = 0.0f;
-        for (int64_t j = 0; j < j_n; ++j) dot += q_t[i * j_n + j] * key[j];
-        total += w_t[i] * std::max(dot, 0.0f);
-      }
+      for (int64_t i = 0; i < i_n; ++i) total += w_t[i] * std::max(Dot(q_t.data() + i * j_n, key.data(), j_n), 0.0f);
       score[s] = total;
       order[s] = static_cast<int32_t>(s);
     }

@@ -62,9 +62,7 @@ ffi::Error SparseAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer ring_values, ffi
                &rows);
     const int64_t m_n = static_cast<int64_t>(rows.size());
     kv.resize(m_n * h_n);
-    for (int64_t j = 0; j < m_n; ++j) {
-      for (int64_t k = 0; k < h_n; ++k) kv[j * h_n + k] = DecodeEntry(*rows[j].table, rows[j].row, k);
-    }
+    for (int64_t j = 0; j < m_n; ++j) DecodeRow(*rows[j].table, rows[j].row, kv.data() + j * h_n);
     s.resize(m_n);
     for (int64_t n = 0; n < n_n; ++n) {
       const int64_t qo = (t * n_n + n) * h_n;
@@ -72,9 +70,7 @@ ffi::Error SparseAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer ring_values, ffi
       const float sink_n = sink.typed_data()[n];
       float m = sink_n;
       for (int64_t j = 0; j < m_n; ++j) {
-        float dot = 0.0f;
-        for (int64_t k = 0; k < h_n; ++k) dot += q_row[k] * kv[j * h_n + k];
-        s[j] = dot * scale;
+        s[j] = Dot(q_row.data(), kv.data() + j * h_n, h_n) * scale;
         m = std::max(m, s[j]);
       }
       float denom = std::exp(sink_n - m);

@@ -62,4 +62,35 @@ DSV4_HD float DecodeEntry(const TableView& t, int64_t row, int64_t k) {
   return t.scales_width ? v * E8m0ToFloat(t.scales[row * t.scales_width + k / t.block]) : v;
 }
 
+// Row `row` of t decoded to f32 into out[0 .. t.width()): DecodeEntry of every entry, with the
+// scale read once a block instead of once an entry (host code: the CPU kernels).
+inline void DecodeRow(const TableView& t, int64_t row, float* out) {
+  const int64_t step = t.scales_width ? t.block : t.values_width;
+  for (int64_t k0 = 0; k0 < t.values_width; k0 += step) {
+    const int64_t k1 = k0 + step < t.values_width ? k0 + step : t.values_width;
+    if (t.scales_width) {
+      const float scale = E8m0ToFloat(t.scales[row * t.scales_width + k0 / t.block]);
+      for (int64_t k = k0; k < k1; ++k) out[k] = LoadElem(t.values, t.values_type, row * t.values_width + k) * scale;
+    } else {
+      for (int64_t k = k0; k < k1; ++k) out[k] = LoadElem(t.values, t.values_type, row * t.values_width + k);
+    }
+  }
+  for (int64_t k = 0; k < t.rope_width; ++k) {
+    out[t.values_width + k] = LoadElem(t.rope, t.rope_type, row * t.rope_width + k);
+  }
+}
+
+// a . b over n floats, in eight interleaved partial sums that the compiler can vectorise (a
+// single running sum is a chain of dependent adds that it may not reorder).
+inline float Dot(const float* a, const float* b, int64_t n) {
+  float part[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    for (int i = 0; i < 8; ++i) part[i] += a[k + i] * b[k + i];
+  }
+  float tail = 0.0f;
+  for (; k < n; ++k) tail += a[k] * b[k];
+  return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7])) + tail;
+}
+
 }  // namespace dsv4
