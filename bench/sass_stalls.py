@@ -100,24 +100,28 @@ def read_sass_csv(path: str) -> tuple[str, list[Instruction]]:
     return kernel, out
 
 
+def _stall_totals(instructions: list[Instruction]) -> dict[str, int]:
+    totals = collections.Counter()
+    for ins in instructions:
+        totals.update(ins.stalls)
+    return dict(totals)
+
+
+def _segment(run: list[Instruction]) -> Segment:
+    return Segment(run[0].address, run[-1].address, run[-1].source, len(run), sum(i.samples for i in run),
+                   sum(i.executed for i in run), _stall_totals(run))
+
+
 def segments(instructions: list[Instruction]) -> list[Segment]:
     """The instructions cut after each synchronising one (SEGMENT_ENDS)."""
     out, run = [], []
-
-    def close():
-        stalls = collections.Counter()
-        for ins in run:
-            stalls.update(ins.stalls)
-        out.append(Segment(run[0].address, run[-1].address, run[-1].source, len(run), sum(i.samples for i in run),
-                           sum(i.executed for i in run), dict(stalls)))
-
     for ins in instructions:
         run.append(ins)
         if ins.opcode.startswith(SEGMENT_ENDS):
-            close()
+            out.append(_segment(run))
             run = []
     if run:
-        close()
+        out.append(_segment(run))
     return out
 
 
@@ -137,11 +141,9 @@ def report(path: str, top: int = 20, min_share: float = 0.5, out=None) -> None:
     total = sum(i.samples for i in instructions)
     print(f"{kernel or path}\n{len(instructions)} instructions, {total} stall samples, "
           f"{sum(i.executed for i in instructions)} warp instructions executed\n", file=out)
-    reasons = collections.Counter()
-    for ins in instructions:
-        reasons.update(ins.stalls)
+    reasons = _stall_totals(instructions)
     print("stall reasons (share of all samples):", file=out)
-    for reason, n in reasons.most_common(12):
+    for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {reason:20s} {100 * n / max(total, 1):5.1f}%", file=out)
     print(f"\nsegments with at least {min_share}% of the samples (cut after each wait):", file=out)
     print(f"  {'first':>8s} {'last':>8s} {'share':>6s} {'instr':>6s} {'executed':>12s}  ends with / top reasons",
