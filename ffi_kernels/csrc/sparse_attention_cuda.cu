@@ -252,9 +252,7 @@ __device__ __forceinline__ void StageTile(const Slot* slots, const TableView* vi
 // table lookups, divisions or format branches: those were most of a tile's instructions).
 namespace flash_fp8 {
 constexpr int kValues = 448, kBlock = 64, kScales = 7, kRope = 64, kHead = 512;
-constexpr int kBytes = kValues + 2 * kRope;                // a staged row
-constexpr int kStageLd = ConflictFreeStride(kBytes);       // its stride (StageStride's)
-constexpr int kRopeUnits = 2 * kRope / 16;                 // its rope's 16-byte copies
+constexpr int kRopeUnits = 2 * kRope / 16;  // its rope's 16-byte units
 }  // namespace flash_fp8
 
 bool IsFlashFp8(const TableView& t) {
@@ -263,37 +261,42 @@ bool IsFlashFp8(const TableView& t) {
                          t.block == kBlock && t.rope_type == Elem::kBf16 && t.rope_width == kRope);
 }
 
-// StageTile and the decode for the FLASH FP8 layout, each thread on bytes of its own, so that a
-// tile needs no block barrier between its copies landing and its decode. Thread t takes row
-// t % 32 and part p = t / 32 of it (a warp's lanes are the tile's rows): scale block p < 7 (64
-// e4m3 bytes in four 16-byte copies, its scale byte into `scale`) and 16-byte rope unit p.
-// Staged rows kStageLd apart and decoded rows in either layout put the eight lanes of each
-// 16-byte access in eight bank groups: no shared-memory conflicts (with seven lanes a row, the
-// decode's core-matrix stores were 8-way conflicts).
-__device__ __forceinline__ void StageFlashFp8Tile(const Slot* slots, const TableView* views, unsigned char* stage,
-                                                  uint8_t& scale) {
+// The FLASH FP8 tile's loads and decode, each thread on bytes of its own: thread t takes row
+// t % 32 and part p = t / 32 of it (a warp's lanes are the tile's rows), scale block p < 7 (64
+// e4m3 bytes, its scale byte) and 16-byte rope unit p. The bytes go to registers a tile ahead of
+// their decode, not through a shared-memory staging buffer: a 32-row tile's staging was 38 KB of
+// the ~230 KB of shared-memory traffic a tile costs, and shared-memory bandwidth bounds the
+// kernel. Decoded rows in either layout put the eight lanes of each 16-byte store in eight bank
+// groups: no shared-memory conflicts.
+struct FlashFp8Part {
+  uint4 values[flash_fp8::kBlock / 16];  // scale block `part` (parts below kScales)
+  uint4 rope;                            // rope unit `part`
+  uint8_t scale;                         // the block's E8M0 scale byte
+};
+
+__device__ __forceinline__ void LoadFlashFp8Part(const Slot* slots, const TableView* views, FlashFp8Part& raw) {
   using namespace flash_fp8;
   static_assert(kTcThreads == kTile * kRopeUnits && kScales <= kRopeUnits, "a warp per rope unit and scale block");
-  scale = 127;
+  raw.scale = 127;
   const int r = threadIdx.x % kTile, part = threadIdx.x / kTile;
   const Slot slot = slots[r];
-  if (slot.table < 0) return;
+  if (slot.table < 0) return;  // (the registers keep stale bytes: decoded, then not stored)
   const TableView& v = views[slot.table];
-  unsigned char* row = stage + r * kStageLd;
   if (part < kScales) {
-    const unsigned char* src = static_cast<const unsigned char*>(v.values) + slot.row * kValues + kBlock * part;
+    const uint4* src =
+        reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(v.values) + slot.row * kValues + kBlock * part);
 #pragma unroll
-    for (int k = 0; k < kBlock / 16; ++k) CopyAsync16(row + kBlock * part + 16 * k, src + 16 * k);
-    scale = v.scales[slot.row * kScales + part];
+    for (int k = 0; k < kBlock / 16; ++k) raw.values[k] = __ldg(src + k);
+    raw.scale = v.scales[slot.row * kScales + part];
   }
-  CopyAsync16(row + kValues + 16 * part, static_cast<const unsigned char*>(v.rope) + slot.row * (2 * kRope) + 16 * part);
+  raw.rope = __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(v.rope) + slot.row * (2 * kRope)) +
+                   part);
 }
 
-// The decode of this thread's part of a staged FLASH FP8 tile (StageFlashFp8Tile's) into kv:
-// rows of ld values, or (kCoreLayout) wgmma.h's core-matrix layout of 64 chunks a row.
+// The decode of this thread's part of a FLASH FP8 tile (LoadFlashFp8Part's) into kv: rows of ld
+// values, or (kCoreLayout) wgmma.h's core-matrix layout of 64 chunks a row.
 template <bool kCoreLayout>
-__device__ __forceinline__ void DecodeFlashFp8Tile(const Slot* tile, const unsigned char* stage, uint8_t scale_byte,
-                                                   uint16_t* kv, int ld) {
+__device__ __forceinline__ void DecodeFlashFp8Tile(const Slot* tile, const FlashFp8Part& raw, uint16_t* kv, int ld) {
   using namespace flash_fp8;
   auto chunk = [&](int r, int c) {  // row r's 16-byte chunk c (values 8c .. 8c + 7)
     unsigned char* bytes = reinterpret_cast<unsigned char*>(kv);
@@ -303,18 +306,16 @@ __device__ __forceinline__ void DecodeFlashFp8Tile(const Slot* tile, const unsig
   const uint4 zero = make_uint4(0, 0, 0, 0);
   const int r = threadIdx.x % kTile, part = threadIdx.x / kTile;
   const bool valid = tile[r].table >= 0;
-  const unsigned char* row = stage + r * kStageLd;
   if (part < kScales) {
-    const uint4* src = reinterpret_cast<const uint4*>(row + kBlock * part);
-    const float scale = E8m0ToFloat(scale_byte);
+    const float scale = E8m0ToFloat(raw.scale);
 #pragma unroll
     for (int k = 0; k < kBlock / 16; ++k) {
-      const uint4 w = src[k];  // (an empty slot's stale bytes: decoded, then not stored)
+      const uint4 w = raw.values[k];
       *chunk(r, kBlock / 8 * part + 2 * k) = valid ? E4m3EightToBf16(make_uint2(w.x, w.y), scale) : zero;
       *chunk(r, kBlock / 8 * part + 2 * k + 1) = valid ? E4m3EightToBf16(make_uint2(w.z, w.w), scale) : zero;
     }
   }
-  *chunk(r, kValues / 8 + part) = valid ? *reinterpret_cast<const uint4*>(row + kValues + 16 * part) : zero;
+  *chunk(r, kValues / 8 + part) = valid ? raw.rope : zero;
 }
 
 // The on-chip merge of a cluster's split parts (the file comment): out = sum_s 2^(m_s - M) o_s /
@@ -398,23 +399,25 @@ __global__ void __launch_bounds__(kTcThreads)
   }
   static_assert(!kFlashFp8 || kFixedH == flash_fp8::kHead, "the FLASH FP8 layout decodes to 512 values");
   uint8_t scale_regs[kScaleLoads];  // this thread's scale bytes of the tile being staged
-  // Stages the bytes of the tile of slots `tile` (cp.async) and loads this thread's scale bytes of it.
+  FlashFp8Part raw;                 // FLASH FP8: this thread's bytes of the tile being staged
+  // Stages the bytes of the tile of slots `tile` (cp.async, or FLASH FP8: loads to registers) and
+  // loads this thread's scale bytes of it.
   auto stage_tile = [&](const Slot* tile) {
     if constexpr (kFlashFp8) {
-      StageFlashFp8Tile(tile, views, stage, scale_regs[0]);
+      LoadFlashFp8Part(tile, views, raw);
     } else {
       StageTile(tile, views, stage, stage_ld, scale_regs);
     }
   };
-  // Decodes the staged tile (slots `tile`) into `kv`, once this thread's copies have landed.
-  // FLASH FP8: each thread decodes its own copies, so no barrier; otherwise the staged bytes
+  // Decodes the staged tile (slots `tile`) into `kv`. FLASH FP8: each thread decodes its own
+  // registers, so no barrier; otherwise, once this thread's copies have landed, the staged bytes
   // and scales are shared, so a barrier before the decode and one after it (the staging free).
   auto decode_tile = [&](const Slot* tile, uint16_t* kv) {
-    CopyAsyncCommitAndWaitAll();
     if constexpr (kFlashFp8) {
-      DecodeFlashFp8Tile<kWgmma>(tile, stage, scale_regs[0], kv, ld);
+      DecodeFlashFp8Tile<kWgmma>(tile, raw, kv, ld);
       if constexpr (kWgmma) FenceSharedForAsyncProxy();  // read by the next wgmma, after a barrier
     } else {
+      CopyAsyncCommitAndWaitAll();
 #pragma unroll
       for (int i = 0; i < kScaleLoads; ++i) scales_s[threadIdx.x + i * kTcThreads] = scale_regs[i];
       __syncthreads();
@@ -450,6 +453,7 @@ __global__ void __launch_bounds__(kTcThreads)
   stage_tile(slots[0]);
   decode_tile(slots[0], decoded_tile(0));
   if (first + kTile < end) stage_tile(slots[1]);
+  CopyAsyncCommitAndWaitAll();  // q's copies (and, not FLASH FP8, nothing else: decode_tile waited)
   __syncthreads();  // tile 0 decoded, q landed
 
   const int64_t head_lo = head0 + group * 16 + g, head_hi = head_lo + 8;
@@ -741,6 +745,18 @@ int64_t TensorCoreSharedLimit() {
   return limit;
 }
 
+// Whether every table is in the FLASH FP8 layout at the model's head dim (the kernel's
+// TensorCoreAttentionKernel<kMaxHeadDim, true> variant).
+bool AllFlashFp8(const AttentionArgs& a) {
+  return a.h == kMaxHeadDim && IsFlashFp8(a.ring) && IsFlashFp8(a.fresh) && IsFlashFp8(a.comp);
+}
+
+// The kernel's shared-memory staging stride: none for the FLASH FP8 layout, whose bytes are
+// staged in registers (LoadFlashFp8Part).
+int64_t TensorCoreStageStride(const AttentionArgs& a) {
+  return AllFlashFp8(a) ? 0 : StageStride(a.ring, a.fresh, a.comp);
+}
+
 // Whether the tensor-core kernel serves these arguments (else the scalar kernel does).
 bool TensorCoreServes(const AttentionArgs& a) {
   if (a.q_type != Elem::kBf16 || a.h % 32 != 0 || a.h > kMaxHeadDim) return false;
@@ -751,7 +767,7 @@ bool TensorCoreServes(const AttentionArgs& a) {
     if (t->scales_width > kMaxScales) return false;
     if (t->rope_width != 0 && (t->rope_type != Elem::kBf16 || t->rope_width % 8 != 0)) return false;
   }
-  return TensorCoreSharedBytes(a.h, StageStride(a.ring, a.fresh, a.comp)) <= TensorCoreSharedLimit();
+  return TensorCoreSharedBytes(a.h, TensorCoreStageStride(a)) <= TensorCoreSharedLimit();
 }
 
 ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const void* q, const int32_t* window_idx,
@@ -766,7 +782,7 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
       cudaFuncSetAttribute(TensorCoreAttentionKernel<kMaxHeadDim, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            most)};
   const bool fixed = a.h == kMaxHeadDim;
-  const bool flash_fp8 = fixed && IsFlashFp8(a.ring) && IsFlashFp8(a.fresh) && IsFlashFp8(a.comp);
+  const bool flash_fp8 = AllFlashFp8(a);
   const int variant = flash_fp8 ? 2 : fixed ? 1 : 0;
   if (attr[variant] != cudaSuccess) {
     return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr[variant]));
@@ -777,7 +793,7 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
   const int64_t used = splits > 1 ? (tiles + per_split - 1) / per_split : 1;  // no empty trailing parts
   const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.n + kTcHeads - 1) / kTcHeads),
                   static_cast<unsigned>(used));
-  const int64_t stage = StageStride(a.ring, a.fresh, a.comp);
+  const int64_t stage = TensorCoreStageStride(a);
   auto* kernel = flash_fp8 ? TensorCoreAttentionKernel<kMaxHeadDim, true>
                  : fixed   ? TensorCoreAttentionKernel<kMaxHeadDim, false>
                            : TensorCoreAttentionKernel<0, false>;
