@@ -185,14 +185,18 @@ int64_t StageStride(const TableView& ring, const TableView& fresh, const TableVi
 constexpr int kTcWarps = kTcThreads / 32;
 constexpr int kScoreBlocks = kTile / 8;  // 8-row blocks of a tile: a warp's S fragments
 constexpr int kSlotBuffers = 4;          // tiles whose slots are live at once (the kernel's pipeline)
+constexpr int kTileRowsFlash = 2 * kTile;  // rows of a tile of the FLASH FP8 wgmma code (a warpgroup's 32 each)
 constexpr int kMaxClusterParts = 8;      // split parts merged on chip (the portable cluster size)
 
-// Shared memory: q [64][h + pad] and two decoded tiles [2][32][h + pad] in bf16, the staged raw
-// tile [32][stage] and its scale bytes [32][16], then each warp's half-dim S fragments
-// [8 warps][4 blocks][32 lanes] float4.
-int64_t TensorCoreSharedBytes(int64_t h, int64_t stage) {
-  return (kTcHeads + 2 * kTile) * (h + kPad) * 2 + kTile * stage + kTile * kMaxScales +
-         kTcWarps * kScoreBlocks * 32 * sizeof(float4);
+// Shared memory: q [64][h + pad] and two decoded tiles [2][rows][h + pad] in bf16 (rows: kTile,
+// or kTileRowsFlash for the FLASH FP8 layout), the staged raw tile [32][stage] and its scale
+// bytes [32][16], then the exchange between warps: each warp's half-dim S fragments [8 warps][4
+// blocks][32 lanes] float4 (mma.sync), or each warpgroup's P [2][64][32] bf16 and row maxima
+// [2][64] f32 (wgmma).
+constexpr int64_t kExchangeBytes = kTcWarps * kScoreBlocks * 32 * sizeof(float4);
+static_assert(2 * kTcHeads * kTile * 2 + 2 * kTcHeads * 4 <= kExchangeBytes, "the wgmma exchange fits");
+int64_t TensorCoreSharedBytes(int64_t h, int64_t stage, int64_t rows) {
+  return (kTcHeads + 2 * rows) * (h + kPad) * 2 + kTile * stage + kTile * kMaxScales + kExchangeBytes;
 }
 
 struct TableViews {
@@ -359,21 +363,23 @@ template <int kFixedH, bool kFlashFp8>
 __global__ void __launch_bounds__(kTcThreads)
     TensorCoreAttentionKernel(const uint16_t* q, TableViews tables, const int32_t* window_idx, int64_t w_n,
                               const int32_t* comp_idx, int64_t x_n, const float* sink, uint16_t* out, int64_t n_n,
-                              int64_t h_arg, float scale_log2, int64_t tiles_per_split, int stage_ld, float* split_o,
+                              int64_t h_arg, float scale_log2, int64_t rows_per_split, int stage_ld, float* split_o,
                               float* split_ml, bool cluster_merge) {
   const int h_n = kFixedH ? kFixedH : static_cast<int>(h_arg);
   extern __shared__ __align__(16) uint16_t smem[];
-  // Tile n's slots are slots[n % 4]: resolved in iteration n - 3, staged in n - 2, decoded in
-  // n - 1, its mask in n.
-  __shared__ Slot slots[kSlotBuffers][kTile];
-  __shared__ TableView views[3];
-  // kWgmma (the FLASH FP8 layout, SM90a code): S = Q K^T and O += P V on wgmma, q and the
-  // tiles in wgmma.h's core-matrix layout (no row padding); otherwise mma.sync from padded rows.
+  // kWgmma (the FLASH FP8 layout, SM90a code): S = Q K^T and O += P V on wgmma over 64-row
+  // tiles, q and the tiles in wgmma.h's core-matrix layout (no row padding); otherwise mma.sync
+  // over 32-row tiles from padded rows.
   constexpr bool kWgmma = kFlashFp8 && kWgmmaCompiled;
+  constexpr int kRows = kWgmma ? kTileRowsFlash : kTile;  // a tile's rows
+  // Tile n's slots are slots[n % 4]: resolved in iteration n - 3, staged and decoded in the
+  // iterations before n, its mask in n.
+  __shared__ Slot slots[kSlotBuffers][kTileRowsFlash];
+  __shared__ TableView views[3];
   const int ld = h_n + kPad, row_elems = kWgmma ? h_n : ld;
   uint16_t* q_s = smem;                         // [kTcHeads][row_elems]
-  uint16_t* kv_s = smem + kTcHeads * row_elems;  // [2][kTile][row_elems]: tile n in kv_s[n % 2]
-  unsigned char* stage = reinterpret_cast<unsigned char*>(kv_s + 2 * kTile * row_elems);  // [kTile][stage_ld]
+  uint16_t* kv_s = smem + kTcHeads * row_elems;  // [2][kRows][row_elems]: tile n in kv_s[n % 2]
+  unsigned char* stage = reinterpret_cast<unsigned char*>(kv_s + 2 * kRows * row_elems);  // [kTile][stage_ld]
   uint8_t* scales_s = stage + kTile * stage_ld;                                     // [kTile][kMaxScales]
   float4* half_s = reinterpret_cast<float4*>(scales_s + kTile * kMaxScales);        // [warp][block][lane]
   const int64_t t = blockIdx.x, head0 = static_cast<int64_t>(blockIdx.y) * kTcHeads;
@@ -383,8 +389,8 @@ __global__ void __launch_bounds__(kTcThreads)
   const int32_t* w_idx = window_idx + t * w_n;
   const int32_t* x_idx = comp_idx + t * x_n;
 
-  const int64_t total = w_n + x_n, first = blockIdx.z * tiles_per_split * kTile;
-  const int64_t end = min(total, first + tiles_per_split * kTile);
+  const int64_t total = w_n + x_n, first = blockIdx.z * rows_per_split;
+  const int64_t end = min(total, first + rows_per_split);
   if (threadIdx.x < 3) views[threadIdx.x] = tables.t[threadIdx.x];
   for (int e = threadIdx.x; e < kTcHeads * chunks; e += kTcThreads) {  // lands with the first tile
     const int r = e / chunks, k = 8 * (e % chunks);
@@ -399,23 +405,23 @@ __global__ void __launch_bounds__(kTcThreads)
   }
   static_assert(!kFlashFp8 || kFixedH == flash_fp8::kHead, "the FLASH FP8 layout decodes to 512 values");
   uint8_t scale_regs[kScaleLoads];  // this thread's scale bytes of the tile being staged
-  FlashFp8Part raw;                 // FLASH FP8: this thread's bytes of the tile being staged
-  // Stages the bytes of the tile of slots `tile` (cp.async, or FLASH FP8: loads to registers) and
-  // loads this thread's scale bytes of it.
-  auto stage_tile = [&](const Slot* tile) {
+  FlashFp8Part raw;                 // FLASH FP8: this thread's bytes of the 32 rows being staged
+  // Stages the bytes of the 32 rows of slots `rows` (cp.async, or FLASH FP8: loads to registers)
+  // and loads this thread's scale bytes of them.
+  auto stage_rows = [&](const Slot* rows) {
     if constexpr (kFlashFp8) {
-      LoadFlashFp8Part(tile, views, raw);
+      LoadFlashFp8Part(rows, views, raw);
     } else {
-      StageTile(tile, views, stage, stage_ld, scale_regs);
+      StageTile(rows, views, stage, stage_ld, scale_regs);
     }
   };
-  // Decodes the staged tile (slots `tile`) into `kv`. FLASH FP8: each thread decodes its own
+  // Decodes the staged rows (slots `rows`) into `kv`. FLASH FP8: each thread decodes its own
   // registers, so no barrier; otherwise, once this thread's copies have landed, the staged bytes
   // and scales are shared, so a barrier before the decode and one after it (the staging free).
-  auto decode_tile = [&](const Slot* tile, uint16_t* kv) {
+  auto decode_rows = [&](const Slot* rows, uint16_t* kv) {
     if constexpr (kFlashFp8) {
-      DecodeFlashFp8Tile<kWgmma>(tile, raw, kv, ld);
-      if constexpr (kWgmma) FenceSharedForAsyncProxy();  // read by the next wgmma, after a barrier
+      DecodeFlashFp8Tile<kWgmma>(rows, raw, kv, ld);
+      if constexpr (kWgmma) FenceSharedForAsyncProxy();  // read by a later wgmma, after a barrier
     } else {
       CopyAsyncCommitAndWaitAll();
 #pragma unroll
@@ -424,8 +430,8 @@ __global__ void __launch_bounds__(kTcThreads)
       for (int e = threadIdx.x; e < kTile * chunks; e += kTcThreads) {
         const int r = e / chunks, k = 8 * (e % chunks);
         uint4 decoded = make_uint4(0, 0, 0, 0);
-        if (tile[r].table >= 0) {
-          const TableView& v = views[tile[r].table];
+        if (rows[r].table >= 0) {
+          const TableView& v = views[rows[r].table];
           const unsigned char* row = stage + r * stage_ld;
           decoded = DecodeEight(v, k, RawEightOfRow(v, row, row + RopeOffset(v), scales_s + r * kMaxScales, k));
         }
@@ -434,106 +440,53 @@ __global__ void __launch_bounds__(kTcThreads)
       __syncthreads();
     }
   };
-  auto decoded_tile = [&](int i) { return kv_s + (i % 2) * kTile * row_elems; };  // tile i's buffer
-  // Pipeline: while tile n is computed from kv_s[n % 2], tile n + 1 is decoded into the other
-  // buffer by whichever warps are done with tile n (one block barrier a tile), tile n + 2's
-  // bytes are on their way (cp.async, no registers held) and tile n + 3's slots resolved.
-  int32_t next_index = -1;  // thread r < kTile: the stored index of row r of tile n + 4
-  __syncthreads();          // views staged
-  if (threadIdx.x < kTile) {
+  auto decoded_tile = [&](int i) { return kv_s + (i % 2) * kRows * row_elems; };  // tile i's buffer
+  // Tile n + 3's slots (buffer n - 1's: its mask was used in iteration n - 1), by threads < kRows,
+  // each from the index it loaded an iteration earlier.
+  int32_t next_index = -1;  // thread r < kRows: the stored index of row r of the next tile to resolve
+  auto resolve_ahead = [&](int64_t base, int n) {
+    if (threadIdx.x < kRows) {
+      const int64_t j = base + (kSlotBuffers - 1) * kRows + threadIdx.x;
+      slots[(n + kSlotBuffers - 1) % kSlotBuffers][threadIdx.x] =
+          SlotOf(j, next_index, w_n, views[0].rows, views[1].rows, views[2].rows);
+      next_index = SlotIndex(j + kRows, end, w_n, w_idx, x_idx);
+    }
+  };
+  __syncthreads();  // views staged
+  if (threadIdx.x < kRows) {
 #pragma unroll
     for (int d = 0; d < kSlotBuffers - 1; ++d) {
-      const int64_t j = first + d * kTile + threadIdx.x;
+      const int64_t j = first + d * kRows + threadIdx.x;
       slots[d][threadIdx.x] = SlotOf(j, SlotIndex(j, end, w_n, w_idx, x_idx), w_n, views[0].rows, views[1].rows,
                                      views[2].rows);
     }
-    next_index = SlotIndex(first + (kSlotBuffers - 1) * kTile + threadIdx.x, end, w_n, w_idx, x_idx);
+    next_index = SlotIndex(first + (kSlotBuffers - 1) * kRows + threadIdx.x, end, w_n, w_idx, x_idx);
   }
   __syncthreads();  // tiles 0 .. 2 resolved
-  stage_tile(slots[0]);
-  decode_tile(slots[0], decoded_tile(0));
-  if (first + kTile < end) stage_tile(slots[1]);
-  CopyAsyncCommitAndWaitAll();  // q's copies (and, not FLASH FP8, nothing else: decode_tile waited)
-  __syncthreads();  // tile 0 decoded, q landed
 
   const int64_t head_lo = head0 + group * 16 + g, head_hi = head_lo + 8;
+  const int row_lo = group * 16 + g, row_hi = row_lo + 8;  // this thread's heads in the block
   const bool with_sink = blockIdx.z == 0;  // split parts after the first start empty
   float m_lo = !with_sink ? kEmptyMax : head_lo < n_n ? sink[head_lo] * kLog2e : 0.0f;
   float m_hi = !with_sink ? kEmptyMax : head_hi < n_n ? sink[head_hi] * kLog2e : 0.0f;
-  float l_lo = with_sink && c == 0 ? 1.0f : 0.0f, l_hi = l_lo;  // the sink's exp(0), counted once per quad
+  // The sink's exp(0), counted once per quad (and on wgmma, where each warpgroup sums the
+  // softmax over its own rows, by warpgroup 0 only).
+  float l_lo = with_sink && c == 0 && (!kWgmma || half == 0) ? 1.0f : 0.0f, l_hi = l_lo;
   const int out_blocks = h_n / 16, col0 = half * (h_n / 2);
   float o[kMaxOutBlocks][4];
 #pragma unroll
   for (int b = 0; b < kMaxOutBlocks; ++b) o[b][0] = o[b][1] = o[b][2] = o[b][3] = 0.0f;
+  float(&o_acc)[kMaxOutBlocks * 4] = reinterpret_cast<float(&)[kMaxOutBlocks * 4]>(o);
 
-  int n = 0;
-  for (int64_t base = first; base < end; base += kTile, ++n) {
-    const Slot* tile = slots[n % kSlotBuffers];
-    const uint16_t* kv = decoded_tile(n);
-
-    // S = Q K^T: this group's 16 heads x the tile's rows, this warp over its half of the head
-    // dim; then the group's other warp's half added (a pair barrier: warps w and w + 4).
-    float sc[kScoreBlocks][4];
-    if constexpr (kWgmma) {
-      // Warpgroup `half`: all 64 heads (warp w's 16 are its group's) x the tile's 32 rows over
-      // its half of the head dim, m64n32k16 from shared memory; the accumulators are sc's
-      // layout. Nothing else is in flight (the last tile's P V was waited for before the
-      // block barrier), so the wait covers only these.
-      using Atom = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
-                                                                cute::SM90::GMMA::Major::K>;
-      float(&acc)[kScoreBlocks * 4] = reinterpret_cast<float(&)[kScoreBlocks * 4]>(sc);
-      // Core matrices: 128 bytes apart along K (a row's next chunk), kGroupBytes along M / N.
-      constexpr int kChunks = flash_fp8::kHead / 8, kGroupBytes = kChunks * 128;
-      const int half_chunk = WarpgroupIndex() * kChunks / 2;  // this warpgroup's first chunk of the head dim
-      const uint64_t q_half = WgmmaDescriptor(reinterpret_cast<const unsigned char*>(q_s) + half_chunk * 128, 128,
-                                              kGroupBytes);
-      const uint64_t k_half = WgmmaDescriptor(reinterpret_cast<const unsigned char*>(kv) + half_chunk * 128, 128,
-                                              kGroupBytes);
-      FenceOperands(acc);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int kk = 0; kk < flash_fp8::kHead / 2 / 16; ++kk) {  // two 16-byte chunks a k-step
-        WgmmaSs<Atom>(WgmmaDescriptorAt(q_half, kk * 2 * 128), WgmmaDescriptorAt(k_half, kk * 2 * 128), acc, kk > 0);
-      }
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      FenceOperands(acc);
-    } else {
-#pragma unroll
-      for (int b = 0; b < kScoreBlocks; ++b) sc[b][0] = sc[b][1] = sc[b][2] = sc[b][3] = 0.0f;
-      const int k_begin = half * (h_n / 2);
-#pragma unroll 4
-      for (int k0 = k_begin; k0 < k_begin + h_n / 2; k0 += 16) {
-        uint32_t a[4];
-        LdMatrixX4(a, q_s + (group * 16 + lane % 16) * ld + k0 + (lane / 16) * 8);
-#pragma unroll
-        for (int b = 0; b < kScoreBlocks; b += 2) {
-          uint32_t kb[4];
-          const int m = lane / 8;
-          LdMatrixX4(kb, kv + (b * 8 + (m / 2) * 8 + lane % 8) * ld + k0 + (m % 2) * 8);
-          Mma(sc[b], a, kb[0], kb[1]);
-          Mma(sc[b + 1], a, kb[2], kb[3]);
-        }
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < kScoreBlocks; ++b) {
-      half_s[(warp * kScoreBlocks + b) * 32 + lane] = make_float4(sc[b][0], sc[b][1], sc[b][2], sc[b][3]);
-    }
-    PairBarrier(group);  // (the next tile's writes come after the loop's block barriers)
-#pragma unroll
-    for (int b = 0; b < kScoreBlocks; ++b) {
-      const float4 other = half_s[((warp ^ 4) * kScoreBlocks + b) * 32 + lane];
-      sc[b][0] += other.x, sc[b][1] += other.y, sc[b][2] += other.z, sc[b][3] += other.w;
-    }
-
-    // Online softmax (base 2), unselected rows masked out.
-    float max_lo = m_lo, max_hi = m_hi;
+  // The online softmax (base 2) of S over 32 rows (slots `rows`) for this thread's two heads:
+  // unselected rows masked out, and the rows' maxima with the running max into max_lo / max_hi.
+  auto mask_and_max = [&](const Slot* rows, float (&sc)[kScoreBlocks][4], float& max_lo, float& max_hi) {
+    max_lo = m_lo, max_hi = m_hi;
 #pragma unroll
     for (int b = 0; b < kScoreBlocks; ++b) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const bool valid = tile[b * 8 + 2 * c + i].table >= 0;
+        const bool valid = rows[b * 8 + 2 * c + i].table >= 0;
         sc[b][i] = valid ? sc[b][i] * scale_log2 : -INFINITY;
         sc[b][2 + i] = valid ? sc[b][2 + i] * scale_log2 : -INFINITY;
         max_lo = fmaxf(max_lo, sc[b][i]);
@@ -541,10 +494,13 @@ __global__ void __launch_bounds__(kTcThreads)
       }
     }
     max_lo = QuadMax(max_lo), max_hi = QuadMax(max_hi);
-    // A lazy running max (as in FlashAttention-4): m moves only when a row of the warp outgrows
-    // it by more than kMaxSlack, so that most tiles skip the 128 multiplies that rescale o and l.
-    // Meanwhile P = 2^(s - m) <= 2^kMaxSlack, which the f32 sums and bf16 P carry at the same
-    // relative precision. (Both warps of a head group hold the same S, so they move together.)
+  };
+  // Then P = 2^(S - m) as bf16 A fragments (two 16-row k-steps), its sums into l. A lazy running
+  // max (as in FlashAttention-4): m moves only when a row of the warp outgrows it by more than
+  // kMaxSlack, so that most tiles skip the 128 multiplies that rescale o and l. Meanwhile P <=
+  // 2^kMaxSlack, which the f32 sums and bf16 P carry at the same relative precision. (Every warp
+  // holding a head sees the same maxima, so they move together.)
+  auto exponentiate = [&](float (&sc)[kScoreBlocks][4], float max_lo, float max_hi, uint32_t (&p_frag)[kTile / 16][4]) {
     if (__any_sync(0xffffffffu, max_lo > m_lo + kMaxSlack || max_hi > m_hi + kMaxSlack)) {
       const float c_lo = exp2f(m_lo - max_lo), c_hi = exp2f(m_hi - max_hi);
       m_lo = max_lo, m_hi = max_hi;
@@ -566,9 +522,6 @@ __global__ void __launch_bounds__(kTcThreads)
       }
     }
     l_lo += sum_lo, l_hi += sum_hi;
-
-    // O += P V over this warp's output half; P's accumulator fragments are the A fragments.
-    uint32_t p_frag[kTile / 16][4];
 #pragma unroll
     for (int ks = 0; ks < kTile / 16; ++ks) {
       p_frag[ks][0] = PackBf16(sc[2 * ks][0], sc[2 * ks][1]);
@@ -576,24 +529,177 @@ __global__ void __launch_bounds__(kTcThreads)
       p_frag[ks][2] = PackBf16(sc[2 * ks + 1][0], sc[2 * ks + 1][1]);
       p_frag[ks][3] = PackBf16(sc[2 * ks + 1][2], sc[2 * ks + 1][3]);
     }
-    float(&o_acc)[kMaxOutBlocks * 4] = reinterpret_cast<float(&)[kMaxOutBlocks * 4]>(o);
-    if constexpr (kWgmma) {
-      // Warpgroup `half`: its 256 output columns, m64n256k16 with P from registers and V (the
-      // tile read with its rows along K: an MN-major operand) from shared memory. Left in
-      // flight while the next tile is decoded; waited for before the block barrier.
-      using Atom = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
-                                                                 cute::SM90::GMMA::Major::MN>;
-      constexpr int kChunks = flash_fp8::kHead / 8, kGroupBytes = kChunks * 128;
-      const uint64_t v_half = WgmmaDescriptor(
-          reinterpret_cast<const unsigned char*>(kv) + WarpgroupIndex() * (kChunks / 2) * 128, kGroupBytes, 128);
+  };
+
+  if constexpr (kWgmma) {
+    // A tile is 64 rows; warpgroup w computes S = Q K^T for all 64 heads over its 32 rows 32w ..
+    // 32w + 31 and the whole head dim (m64n32k16 from shared memory), so each row's S is
+    // computed once and no partial sums cross between the warpgroups. The two exchange their
+    // rows' maxima (both then hold the same running max), each turns its S into P, and they
+    // exchange P (bf16, 4 KB a warpgroup); each then multiplies the whole 64-row P by V for its
+    // own 256 output columns: its own P from registers, the other's from shared memory. (The
+    // split of S by rows, not by the head dim, is FlashMLA's; it moves 32 KB a 32-row tile less
+    // through shared memory than exchanging fp32 partial S did, and each warp exponentiates
+    // only its own rows.)
+    //
+    // Pipeline: tile n + 1's rows 0 .. 31 are decoded while tile n's S runs and its rows 32 ..
+    // 63 while tile n's P V does, each from registers loaded half an iteration earlier (so one
+    // 32-row part is held at a time); one block barrier a tile hands the buffers over.
+    using ScoreAtom = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                                   cute::SM90::GMMA::Major::K>;
+    using OwnAtom = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
+                                                                  cute::SM90::GMMA::Major::MN>;
+    using OtherAtom = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                                    cute::SM90::GMMA::Major::MN>;
+    // Core matrices of q and the tiles: 128 bytes apart along K (a row's next chunk), kGroupBytes
+    // along M / N; of P [64 heads][32 rows]: 128 bytes along K, kPGroupBytes along M.
+    constexpr int kChunks = flash_fp8::kHead / 8, kGroupBytes = kChunks * 128;
+    constexpr int kPChunks = kTile / 8, kPGroupBytes = kPChunks * 128;
+    const int wg = WarpgroupIndex();  // == half, uniform
+    unsigned char* p_s = reinterpret_cast<unsigned char*>(half_s);      // [2 warpgroups][kTcHeads][kTile] bf16
+    float* max_s = reinterpret_cast<float*>(p_s + 2 * kTcHeads * kTile * 2);  // [2 warpgroups][kTcHeads]
+    const uint64_t q_desc = WgmmaDescriptor(q_s, 128, kGroupBytes);
+    const uint64_t p_other = WgmmaDescriptor(p_s + (wg ^ 1) * kTcHeads * kTile * 2, 128, kPGroupBytes);
+    unsigned char* p_own = p_s + half * kTcHeads * kTile * 2;
+
+    // Tile 0 decoded (both halves, always: a half past the end decodes to zeros, which its P of
+    // 0 may multiply; stale shared memory could hold NaN), the first half of tile 1 loaded.
+    stage_rows(slots[0]);
+    decode_rows(slots[0], decoded_tile(0));
+    stage_rows(slots[0] + kTile);
+    decode_rows(slots[0] + kTile, decoded_tile(0) + kTile * row_elems);
+    if (first + kRows < end) stage_rows(slots[1]);
+    CopyAsyncCommitAndWaitAll();  // q's copies
+    __syncthreads();              // tile 0 decoded, q landed
+
+    int n = 0;
+    for (int64_t base = first; base < end; base += kRows, ++n) {
+      const Slot* tile = slots[n % kSlotBuffers];
+      const Slot* next = slots[(n + 1) % kSlotBuffers];
+      const unsigned char* kv = reinterpret_cast<const unsigned char*>(decoded_tile(n));
+      const bool has_next = base + kRows < end;
+
+      float sc[kScoreBlocks][4];
+      float(&acc)[kScoreBlocks * 4] = reinterpret_cast<float(&)[kScoreBlocks * 4]>(sc);
+      const uint64_t k_own = WgmmaDescriptor(kv + wg * (kTile / 8) * kGroupBytes, 128, kGroupBytes);
+      FenceOperands(acc);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int kk = 0; kk < flash_fp8::kHead / 16; ++kk) {  // two 16-byte chunks a k-step
+        WgmmaSs<ScoreAtom>(WgmmaDescriptorAt(q_desc, kk * 2 * 128), WgmmaDescriptorAt(k_own, kk * 2 * 128), acc,
+                           kk > 0);
+      }
+      cute::warpgroup_commit_batch();
+      if (has_next) {  // tile n + 1's first half, then the loads of its second
+        decode_rows(next, decoded_tile(n + 1));
+        stage_rows(next + kTile);
+      }
+      cute::warpgroup_wait<0>();
+      FenceOperands(acc);
+
+      float max_lo, max_hi;
+      mask_and_max(tile + half * kTile, sc, max_lo, max_hi);
+      if (c == 0) max_s[half * kTcHeads + row_lo] = max_lo, max_s[half * kTcHeads + row_hi] = max_hi;
+      __syncthreads();  // both warpgroups' row maxima
+      max_lo = fmaxf(max_lo, max_s[(half ^ 1) * kTcHeads + row_lo]);
+      max_hi = fmaxf(max_hi, max_s[(half ^ 1) * kTcHeads + row_hi]);
+      uint32_t p_frag[kTile / 16][4];
+      exponentiate(sc, max_lo, max_hi, p_frag);
+      // This warpgroup's P into its core-matrix tile for the other warpgroup: register i of
+      // k-step ks holds heads row_lo (i even) or row_hi, rows 16 ks + 8 (i / 2) + 2c and + 1.
+#pragma unroll
+      for (int ks = 0; ks < kTile / 16; ++ks) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          *reinterpret_cast<uint32_t*>(p_own + CoreChunkOffset(i % 2 ? row_hi : row_lo, 2 * ks + i / 2, kPChunks) +
+                                       4 * c) = p_frag[ks][i];
+        }
+      }
+      FenceSharedForAsyncProxy();  // read by the other warpgroup's wgmma
+      __syncthreads();             // both warpgroups' P
+
+      // O += P V for this warpgroup's 256 columns over all 64 rows (V: the tile read with its
+      // rows along K, an MN-major operand; a k-step is 16 rows, two 8-row groups). Left in
+      // flight while tile n + 1's second half is decoded; waited for before the block barrier.
+      const uint64_t v_half = WgmmaDescriptor(kv + wg * (kChunks / 2) * 128, kGroupBytes, 128);
       FenceOperands(o_acc);
       cute::warpgroup_arrive();
 #pragma unroll
-      for (int ks = 0; ks < kTile / 16; ++ks) {  // 16 rows: two 8-row groups a k-step
-        WgmmaRs<Atom>(p_frag[ks], WgmmaDescriptorAt(v_half, ks * 2 * kGroupBytes), o_acc, true);
+      for (int ks = 0; ks < kTile / 16; ++ks) {
+        WgmmaRs<OwnAtom>(p_frag[ks], WgmmaDescriptorAt(v_half, (wg * kTile / 16 + ks) * 2 * kGroupBytes), o_acc,
+                         true);
+      }
+#pragma unroll
+      for (int ks = 0; ks < kTile / 16; ++ks) {
+        WgmmaSs<OtherAtom>(WgmmaDescriptorAt(p_other, ks * 2 * 128),
+                           WgmmaDescriptorAt(v_half, ((wg ^ 1) * kTile / 16 + ks) * 2 * kGroupBytes), o_acc, true);
       }
       cute::warpgroup_commit_batch();
-    } else {
+      if (has_next) {  // tile n + 1's second half, then the loads of tile n + 2's first
+        decode_rows(next + kTile, decoded_tile(n + 1) + kTile * row_elems);
+        if (base + 2 * kRows < end) stage_rows(slots[(n + 2) % kSlotBuffers]);
+      }
+      resolve_ahead(base, n);
+      cute::warpgroup_wait<0>();
+      FenceOperands(o_acc);
+      FenceOperands(p_frag[0]);
+      FenceOperands(p_frag[1]);
+      __syncthreads();  // tile n + 1 decoded, tile n + 3's slots resolved, every warp done with tile n
+    }
+    // The denominator: each warpgroup summed its own rows' P.
+    l_lo = QuadSum(l_lo), l_hi = QuadSum(l_hi);
+    if (c == 0) max_s[half * kTcHeads + row_lo] = l_lo, max_s[half * kTcHeads + row_hi] = l_hi;
+    __syncthreads();
+    l_lo += max_s[(half ^ 1) * kTcHeads + row_lo];
+    l_hi += max_s[(half ^ 1) * kTcHeads + row_hi];
+  } else {
+    // mma.sync: S = Q K^T over 32-row tiles, each warp over half the head dim for its group's
+    // 16 heads (the group's two warps' halves added through shared memory); O += P V over the
+    // warp's output half. Pipeline: while tile n is computed from kv_s[n % 2], tile n + 1 is
+    // decoded into the other buffer by whichever warps are done with tile n (one block barrier a
+    // tile), tile n + 2's bytes are on their way (cp.async, no registers held) and tile n + 3's
+    // slots resolved.
+    stage_rows(slots[0]);
+    decode_rows(slots[0], decoded_tile(0));
+    if (first + kTile < end) stage_rows(slots[1]);
+    CopyAsyncCommitAndWaitAll();  // q's copies (and, not FLASH FP8, nothing else: decode_rows waited)
+    __syncthreads();              // tile 0 decoded, q landed
+
+    int n = 0;
+    for (int64_t base = first; base < end; base += kTile, ++n) {
+      const Slot* tile = slots[n % kSlotBuffers];
+      const uint16_t* kv = decoded_tile(n);
+      float sc[kScoreBlocks][4];
+#pragma unroll
+      for (int b = 0; b < kScoreBlocks; ++b) sc[b][0] = sc[b][1] = sc[b][2] = sc[b][3] = 0.0f;
+      const int k_begin = half * (h_n / 2);
+#pragma unroll 4
+      for (int k0 = k_begin; k0 < k_begin + h_n / 2; k0 += 16) {
+        uint32_t a[4];
+        LdMatrixX4(a, q_s + (group * 16 + lane % 16) * ld + k0 + (lane / 16) * 8);
+#pragma unroll
+        for (int b = 0; b < kScoreBlocks; b += 2) {
+          uint32_t kb[4];
+          const int m = lane / 8;
+          LdMatrixX4(kb, kv + (b * 8 + (m / 2) * 8 + lane % 8) * ld + k0 + (m % 2) * 8);
+          Mma(sc[b], a, kb[0], kb[1]);
+          Mma(sc[b + 1], a, kb[2], kb[3]);
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kScoreBlocks; ++b) {
+        half_s[(warp * kScoreBlocks + b) * 32 + lane] = make_float4(sc[b][0], sc[b][1], sc[b][2], sc[b][3]);
+      }
+      PairBarrier(group);  // (the next tile's writes come after the loop's block barriers)
+#pragma unroll
+      for (int b = 0; b < kScoreBlocks; ++b) {
+        const float4 other = half_s[((warp ^ 4) * kScoreBlocks + b) * 32 + lane];
+        sc[b][0] += other.x, sc[b][1] += other.y, sc[b][2] += other.z, sc[b][3] += other.w;
+      }
+      float max_lo, max_hi;
+      mask_and_max(tile, sc, max_lo, max_hi);
+      uint32_t p_frag[kTile / 16][4];
+      exponentiate(sc, max_lo, max_hi, p_frag);
 #pragma unroll
       for (int ks = 0; ks < kTile / 16; ++ks) {
 #pragma unroll
@@ -607,36 +713,23 @@ __global__ void __launch_bounds__(kTcThreads)
           }
         }
       }
+      // Tile n + 1 into the other buffer (every warp finished tile n - 1 there: the last
+      // barrier), tile n + 2's copies, tile n + 3's slots.
+      if (base + kTile < end) {
+        decode_rows(slots[(n + 1) % kSlotBuffers], decoded_tile(n + 1));
+        if (base + 2 * kTile < end) stage_rows(slots[(n + 2) % kSlotBuffers]);
+      }
+      resolve_ahead(base, n);
+      __syncthreads();  // tile n + 1 decoded, tile n + 3's slots resolved, every warp done with tile n
     }
-
-    // Tile n + 1 into the other buffer (every warp finished tile n - 1 there: the last barrier),
-    // tile n + 2's copies, tile n + 3's slots (buffer n - 1's: its mask was last iteration's).
-    if (base + kTile < end) {
-      decode_tile(slots[(n + 1) % kSlotBuffers], decoded_tile(n + 1));
-      if (base + 2 * kTile < end) stage_tile(slots[(n + 2) % kSlotBuffers]);
-    }
-    if (threadIdx.x < kTile) {
-      const int64_t j = base + (kSlotBuffers - 1) * kTile + threadIdx.x;
-      slots[(n + kSlotBuffers - 1) % kSlotBuffers][threadIdx.x] =
-          SlotOf(j, next_index, w_n, views[0].rows, views[1].rows, views[2].rows);
-      next_index = SlotIndex(j + kTile, end, w_n, w_idx, x_idx);
-    }
-    if constexpr (kWgmma) {  // this tile's P V done before its buffer is decoded into again
-      cute::warpgroup_wait<0>();
-      FenceOperands(o_acc);
-      FenceOperands(p_frag[0]);
-      FenceOperands(p_frag[1]);
-    }
-    __syncthreads();  // tile n + 1 decoded, tile n + 3's slots resolved, every warp done with tile n
+    l_lo = QuadSum(l_lo), l_hi = QuadSum(l_hi);
   }
   CopyAsyncCommitAndWaitAll();  // nothing may be in flight at exit (an empty part staged nothing)
 
-  l_lo = QuadSum(l_lo), l_hi = QuadSum(l_hi);
   if (gridDim.z > 1 && cluster_merge) {  // a split part, merged over the cluster
     __syncthreads();  // every thread's copies landed: the tiles' shared memory is free
     float* o_s = reinterpret_cast<float*>(smem);                      // [kTcHeads][h + kPad]
     float2* ml_s = reinterpret_cast<float2*>(o_s + kTcHeads * ld);    // [kTcHeads]
-    const int row_lo = group * 16 + g, row_hi = row_lo + 8;
 #pragma unroll
     for (int b = 0; b < kMaxOutBlocks; ++b) {
       if (b >= out_blocks) break;
@@ -673,7 +766,6 @@ __global__ void __launch_bounds__(kTcThreads)
   __syncthreads();
   uint16_t* out_s = smem;  // [kTcHeads][ld]: rows ld = h + kPad apart, so the lanes' stores are conflict-free
   const float inv_lo = 1.0f / l_lo, inv_hi = 1.0f / l_hi;
-  const int row_lo = group * 16 + g, row_hi = row_lo + 8;
 #pragma unroll
   for (int b = 0; b < kMaxOutBlocks; ++b) {
     if (b >= out_blocks) break;
@@ -735,13 +827,15 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
 }
 
 // The dynamic shared memory the tensor-core kernel may use on this device: its largest need
-// (head dim 512, bf16 rows) where the device allows it beside the kernel's static arrays (~1.3
-// KB), else what it allows; arguments needing more go to the scalar kernel (so on SM120, 99 KB
-// a block, the FLASH dims do: untested there).
-constexpr int64_t kTcStaticBytes = 4 * 1024;
+// (head dim 512: bf16 rows, or the FLASH FP8 layout's 64-row tiles) where the device allows it
+// beside the kernel's static arrays (~4.3 KB), else what it allows; arguments needing more go to
+// the scalar kernel (so on SM120, 99 KB a block, the FLASH dims do: untested there).
+constexpr int64_t kTcStaticBytes = 6 * 1024;
 int64_t TensorCoreSharedLimit() {
-  static const int64_t limit = std::min<int64_t>(TensorCoreSharedBytes(kMaxHeadDim, 2 * kMaxHeadDim + 16),
-                                                 OptInSharedBytes() - kTcStaticBytes);
+  static const int64_t limit =
+      std::min<int64_t>(std::max(TensorCoreSharedBytes(kMaxHeadDim, 2 * kMaxHeadDim + 16, kTile),
+                                 TensorCoreSharedBytes(kMaxHeadDim, 0, kTileRowsFlash)),
+                        OptInSharedBytes() - kTcStaticBytes);
   return limit;
 }
 
@@ -757,6 +851,10 @@ int64_t TensorCoreStageStride(const AttentionArgs& a) {
   return AllFlashFp8(a) ? 0 : StageStride(a.ring, a.fresh, a.comp);
 }
 
+// The rows of the kernel's tiles (and the unit of its split parts): kTileRowsFlash for the FLASH
+// FP8 layout (its wgmma code; the mma.sync code runs such a tile as two), else kTile.
+int64_t TensorCoreTileRows(const AttentionArgs& a) { return AllFlashFp8(a) ? kTileRowsFlash : kTile; }
+
 // Whether the tensor-core kernel serves these arguments (else the scalar kernel does).
 bool TensorCoreServes(const AttentionArgs& a) {
   if (a.q_type != Elem::kBf16 || a.h % 32 != 0 || a.h > kMaxHeadDim) return false;
@@ -767,7 +865,7 @@ bool TensorCoreServes(const AttentionArgs& a) {
     if (t->scales_width > kMaxScales) return false;
     if (t->rope_width != 0 && (t->rope_type != Elem::kBf16 || t->rope_width % 8 != 0)) return false;
   }
-  return TensorCoreSharedBytes(a.h, TensorCoreStageStride(a)) <= TensorCoreSharedLimit();
+  return TensorCoreSharedBytes(a.h, TensorCoreStageStride(a), TensorCoreTileRows(a)) <= TensorCoreSharedLimit();
 }
 
 ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const void* q, const int32_t* window_idx,
@@ -787,7 +885,8 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
   if (attr[variant] != cudaSuccess) {
     return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr[variant]));
   }
-  const int64_t tiles = (a.w + a.x + kTile - 1) / kTile;
+  const int64_t tile_rows = TensorCoreTileRows(a);
+  const int64_t tiles = (a.w + a.x + tile_rows - 1) / tile_rows;
   const int64_t splits = std::max<int64_t>(1, std::min(a.splits, tiles));
   const int64_t per_split = (tiles + splits - 1) / splits;
   const int64_t used = splits > 1 ? (tiles + per_split - 1) / per_split : 1;  // no empty trailing parts
@@ -800,7 +899,7 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = dim3(kTcThreads);
-  config.dynamicSmemBytes = TensorCoreSharedBytes(a.h, stage);
+  config.dynamicSmemBytes = TensorCoreSharedBytes(a.h, stage, tile_rows);
   config.stream = stream;
   cudaLaunchAttribute cluster[1];
   cluster[0].id = cudaLaunchAttributeClusterDimension;
@@ -836,7 +935,7 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
   config.numAttrs = cluster_merge ? 1 : 0;
   const cudaError_t launched = cudaLaunchKernelEx(
       &config, kernel, static_cast<const uint16_t*>(q), TableViews{{a.ring, a.fresh, a.comp}}, window_idx, a.w,
-      comp_idx, a.x, sink, static_cast<uint16_t*>(out), a.n, a.h, scale * kLog2e, std::max<int64_t>(per_split, 1),
+      comp_idx, a.x, sink, static_cast<uint16_t*>(out), a.n, a.h, scale * kLog2e, std::max<int64_t>(per_split, 1) * tile_rows,
       static_cast<int>(stage), split_o, split_ml, cluster_merge);
   if (launched != cudaSuccess) {
     return ffi::Error::Internal(std::string("TensorCoreAttentionKernel: ") + cudaGetErrorString(launched));
