@@ -3,19 +3,21 @@
 //
 // TensorCoreAttentionKernel (bf16 q; tables of bf16 or e4m3 values with bf16 rope, at most 16
 // scale bytes a row; head dim a multiple of 32 up to 512): one block per (query, 64 heads), 8
-// warps. Each tile of kTile selected rows is decoded once into shared memory as bf16 (e4m3 x
-// E8M0 is exact in bf16) and used by all 64 heads: S = Q K^T and O += P V run on mma.sync
-// m16n8k16 (bf16 in, f32 accumulate; the same code serves SM90 and SM120), or, for the FLASH
-// FP8 layout in the SM90a code, on wgmma with the same register layouts (wgmma.h). Warp w owns
-// heads 16 (w % 4) .. +16 and output columns (w / 4) * H/2 .. +H/2. The two warps of a head group
-// each compute its S over half of the head dim and add the other's half from shared memory, so
-// both hold the whole S (a + b == b + a) without either computing all of it.
-// Softmax online with the sink as the starting max (m = sink, l = 1), in base 2.
-// Pipelined over two decoded-tile buffers: while tile n is computed from one, the warps done
-// with it decode tile n + 1 into the other (one block barrier a tile with the FLASH FP8 layout,
-// where each thread decodes the bytes it copied itself), tile n + 2's stored bytes are on their
-// way into a staging buffer (cp.async, no registers held) and its scales into registers, and
-// tile n + 3's slots are resolved from indices loaded a tile earlier.
+// warps. Each tile of selected rows is decoded once into shared memory as bf16 (e4m3 x E8M0 is
+// exact in bf16) and used by all 64 heads. Softmax online with the sink as the starting max
+// (m = sink, l = 1), in base 2. Two decoded-tile buffers: while tile n is computed from one, the
+// next tile is decoded into the other (one block barrier a tile where each thread decodes the
+// bytes it loaded itself: the FLASH FP8 layout), and tile n + 3's slots are resolved from
+// indices loaded a tile earlier. Two codes:
+//   - mma.sync m16n8k16 (bf16 in, f32 accumulate; SM90 and SM120) over 32-row tiles. Warp w
+//     owns heads 16 (w % 4) .. +16 and output columns (w / 4) * H/2 .. +H/2; the two warps of a
+//     head group each compute its S over half of the head dim and add the other's half from
+//     shared memory, so both hold the whole S (a + b == b + a). A tile's stored bytes are copied
+//     into a staging buffer two tiles ahead (cp.async; FLASH FP8: into registers).
+//   - wgmma (the FLASH FP8 layout in the SM90a code) over 64-row tiles: warpgroup w computes S
+//     for all 64 heads over the tile's rows 32w .. +32 and the whole head dim, the two exchange
+//     row maxima and bf16 P, and each multiplies the whole P by V for its 256 output columns
+//     (the kernel's comment says why this split).
 // Few queries (decode) would leave most SMs idle, so the caller may split each query's slots
 // into S parts (grid z; only part 0 counts the sink). Up to kMaxClusterParts parts run as one
 // thread-block cluster: each block leaves its unnormalised output, max and denominator in its
@@ -381,7 +383,7 @@ __global__ void __launch_bounds__(kTcThreads)
   uint16_t* kv_s = smem + kTcHeads * row_elems;  // [2][kRows][row_elems]: tile n in kv_s[n % 2]
   unsigned char* stage = reinterpret_cast<unsigned char*>(kv_s + 2 * kRows * row_elems);  // [kTile][stage_ld]
   uint8_t* scales_s = stage + kTile * stage_ld;                                     // [kTile][kMaxScales]
-  float4* half_s = reinterpret_cast<float4*>(scales_s + kTile * kMaxScales);        // [warp][block][lane]
+  float4* half_s = reinterpret_cast<float4*>(scales_s + kTile * kMaxScales);        // the exchange (kExchangeBytes)
   const int64_t t = blockIdx.x, head0 = static_cast<int64_t>(blockIdx.y) * kTcHeads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = warp % 4, half = warp / 4, g = lane / 4, c = lane % 4;
@@ -538,7 +540,7 @@ __global__ void __launch_bounds__(kTcThreads)
     // rows' maxima (both then hold the same running max), each turns its S into P, and they
     // exchange P (bf16, 4 KB a warpgroup); each then multiplies the whole 64-row P by V for its
     // own 256 output columns: its own P from registers, the other's from shared memory. (The
-    // split of S by rows, not by the head dim, is FlashMLA's; it moves 32 KB a 32-row tile less
+    // split of S by rows, not by the head dim, is FlashMLA's; it moves ~24 KB a 32-row tile less
     // through shared memory than exchanging fp32 partial S did, and each warp exponentiates
     // only its own rows.)
     //

@@ -12,7 +12,9 @@ from dsv4.ops.ffi_tables import check_platform, codec, dense_table, i32, table_p
 from dsv4.state import EntryTable
 
 
-# The CUDA kernels' shapes (sparse_attention_cuda.cu): rows per tile, heads per block.
+# The CUDA kernels' shapes (sparse_attention_cuda.cu): rows per tile (the smallest; the model's
+# FP8 layout runs 64-row tiles, and the kernel then cuts fewer parts than asked where a part
+# would be less than a tile), heads per block.
 _TILE_ROWS, _BLOCK_HEADS = 32, 64
 
 
