@@ -289,8 +289,8 @@ __device__ __forceinline__ void LoadFlashFp8Part(const Slot* slots, const TableV
   if (slot.table < 0) return;  // (the registers keep stale bytes: decoded, then not stored)
   const TableView& v = views[slot.table];
   if (part < kScales) {
-    const uint4* src =
-        reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(v.values) + slot.row * kValues + kBlock * part);
+    const unsigned char* values = static_cast<const unsigned char*>(v.values) + slot.row * kValues;
+    const uint4* src = reinterpret_cast<const uint4*>(values + kBlock * part);
 #pragma unroll
     for (int k = 0; k < kBlock / 16; ++k) raw.values[k] = __ldg(src + k);
     raw.scale = v.scales[slot.row * kScales + part];
@@ -935,9 +935,10 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
     cluster_merge = static_cast<int64_t>(grid.x) * grid.y <= it->second;
   }
   config.numAttrs = cluster_merge ? 1 : 0;
+  const int64_t rows_per_split = std::max<int64_t>(per_split, 1) * tile_rows;
   const cudaError_t launched = cudaLaunchKernelEx(
       &config, kernel, static_cast<const uint16_t*>(q), TableViews{{a.ring, a.fresh, a.comp}}, window_idx, a.w,
-      comp_idx, a.x, sink, static_cast<uint16_t*>(out), a.n, a.h, scale * kLog2e, std::max<int64_t>(per_split, 1) * tile_rows,
+      comp_idx, a.x, sink, static_cast<uint16_t*>(out), a.n, a.h, scale * kLog2e, rows_per_split,
       static_cast<int>(stage), split_o, split_ml, cluster_merge);
   if (launched != cudaSuccess) {
     return ffi::Error::Internal(std::string("TensorCoreAttentionKernel: ") + cudaGetErrorString(launched));
