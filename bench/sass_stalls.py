@@ -14,8 +14,11 @@ library's device notes). Printed: the stall reasons over all samples; the kernel
 segments that end at a synchronising instruction (block and named barriers, wgmma waits,
 cp.async waits, memory barriers), each with its share of the samples, its instructions
 executed and its top reasons, which is how a tile loop's phases show up; the instructions
-with the most samples; and the shared-memory accesses whose wavefronts exceed the ideal
-(bank conflicts). Nothing is measured here: it reads the counters a profile recorded.
+with the most samples; the instructions with the most long-scoreboard samples, each with the
+global and local loads that write a register it names (the load it waits for is among them:
+how an early use of a prefetched value shows up); and the shared-memory accesses whose
+wavefronts exceed the ideal (bank conflicts). Nothing is measured here: it reads the counters
+a profile recorded.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import collections
 import csv
 import dataclasses
+import re
 import sys
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
@@ -33,6 +37,10 @@ WAVEFRONTS_IDEAL = "L1 Wavefronts Shared Ideal"
 # SASS opcodes after which a segment ends: the points where warps wait for one another or for
 # asynchronous work, which separate a tile loop's phases.
 SEGMENT_ENDS = ("BAR.SYNC", "BAR.ARV", "BAR.RED", "WARPGROUP.DEPBAR", "DEPBAR", "MEMBAR", "WARPSYNC")
+# Opcodes whose results come through the long scoreboard (L1TEX: global, local and generic
+# loads, atomics with a result, texture and surface loads).
+LONG_LOADS = ("LDG", "LDL", "LD", "ATOMG", "ATOM", "TLD", "TEX", "SULD")
+_REGISTER = re.compile(r"\bR(\d+)(\.64|\.128)?\b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +59,38 @@ class Instruction:
         if not words:
             return ""
         return words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+
+    @property
+    def operands(self) -> list[str]:
+        """The operands after the opcode, split at top-level commas."""
+        text = self.source.split(self.opcode, 1)[1] if self.opcode else ""
+        return [o.strip() for o in text.split(",") if o.strip()]
+
+    @property
+    def access_registers(self) -> int:
+        """Registers a memory instruction's data operand spans (its .64 / .128 size), else 1."""
+        if not self.opcode.startswith(("LD", "ST", "ATOM", "RED")):
+            return 1
+        return next((int(w) // 32 for w in ("128", "64") if w in self.opcode.split(".")), 1)
+
+    def written(self) -> set[int]:
+        """The registers a load writes: its first operand, widened by the access size."""
+        ops = self.operands
+        if not ops or not re.fullmatch(r"R\d+", ops[0]):
+            return set()
+        first = int(ops[0][1:])
+        return set(range(first, first + self.access_registers))
+
+    def named(self) -> set[int]:
+        """Every register an instruction names, read or written (an address such as [R8.64] names
+        R8 and R9, a memory instruction's data operand its access size; RZ is none): a load in
+        flight to any of them holds the instruction on the long scoreboard."""
+        out = set()
+        for op in self.operands:
+            for number, wide in _REGISTER.findall(op):
+                width = {".64": 2, ".128": 4}.get(wide, 1 if "[" in op else self.access_registers)
+                out.update(range(int(number), int(number) + width))
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +170,15 @@ def bank_conflicts(instructions: list[Instruction], excess: float = 1.3) -> list
     return [i for i in instructions if i.wavefronts_ideal > 0 and i.wavefronts > excess * i.wavefronts_ideal]
 
 
+def long_load_feeders(instructions: list[Instruction], n: int = 8) -> list[tuple[Instruction, list[Instruction]]]:
+    """The n instructions with the most long-scoreboard samples, each with the loads (LONG_LOADS)
+    anywhere in the kernel that write a register it names (by register name, not by control
+    flow: a candidate list, among which is the load it waits for)."""
+    loads = [i for i in instructions if i.opcode.split(".")[0] in LONG_LOADS]
+    waiting = sorted((i for i in instructions if i.stalls.get("long_sb", 0) > 0), key=lambda i: -i.stalls["long_sb"])
+    return [(ins, [ld for ld in loads if ld.written() & ins.named()]) for ins in waiting[:n]]
+
+
 def _top(stalls: dict[str, int], total: int, n: int) -> str:
     best = sorted(stalls.items(), key=lambda kv: -kv[1])[:n]
     return ", ".join(f"{k} {100 * v / max(total, 1):.0f}%" for k, v in best if v)
@@ -158,6 +207,12 @@ def report(path: str, top: int = 20, min_share: float = 0.5, out=None) -> None:
     for ins in sorted(instructions, key=lambda i: -i.samples)[:top]:
         print(f"  {ins.address[-8:]:>8s} {100 * ins.samples / max(total, 1):5.1f}%  {ins.source[:60]:60s} "
               f"{_top(ins.stalls, ins.samples, 2)}", file=out)
+    print("\nthe most long-scoreboard samples, and the loads writing a register each names:", file=out)
+    for ins, feeders in long_load_feeders(instructions):
+        where = ", ".join(f"{ld.address[-8:]} {ld.opcode}" for ld in feeders[:6]) or "no load found"
+        where += f" and {len(feeders) - 6} more" if len(feeders) > 6 else ""
+        print(f"  {ins.address[-8:]:>8s} {100 * ins.stalls['long_sb'] / max(total, 1):5.1f}%  {ins.source[:48]:48s} "
+              f"<- {where}", file=out)
     conflicted = bank_conflicts(instructions)
     print(f"\nshared-memory accesses over 1.3x their ideal wavefronts: {len(conflicted)}", file=out)
     for ins in sorted(conflicted, key=lambda i: -(i.wavefronts - i.wavefronts_ideal))[:top]:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.sass_stalls import bank_conflicts, main, read_sass_csv, segments
+from bench.sass_stalls import bank_conflicts, long_load_feeders, main, read_sass_csv, segments
 
 HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
           '"Instructions Executed","L1 Wavefronts Shared","L1 Wavefronts Shared Ideal","stall_barrier",'
@@ -46,3 +46,26 @@ def test_prints_the_summary_and_rejects_a_page_without_samples(tmp_path, capsys)
     with pytest.raises(SystemExit):
         main([str(bad)])
     assert "no 'Warp Stall Sampling" in capsys.readouterr().err
+
+
+def test_traces_long_scoreboard_waits_to_the_loads_writing_their_registers(tmp_path, capsys):
+    # The pattern the attention kernel's profile had: a prefetched index (an LDG) moved to
+    # another register early, so that the move waits for the load.
+    header = '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_long_sb"'
+    rows = [("0x10", "@P0 LDG.E R198, desc[UR14][R16.64+0x300]", 0),
+            ("0x20", "LDG.E.128.CONSTANT R20, desc[UR14][R8.64]", 0),
+            ("0x30", "IMAD.MOV.U32 R0, RZ, RZ, R198", 90),  # reads R198: the first load
+            ("0x40", "STS.128 [R3], R20", 30),  # reads R20 .. R23 (the source of a store)
+            ("0x50", "IADD3 R23, R1, 0x4, RZ", 10),  # overwrites R23 of the 128-bit load
+            ("0x60", "FADD R5, R6, R7", 5)]  # no load writes R5 .. R7
+    lines = ['"Kernel Name","void Kernel(int)",', header]
+    lines += [f'"{a}","  {src}","{n}","1","{n}"' for a, src, n in rows]
+    path = tmp_path / "k.csv"
+    path.write_text("\n".join(lines) + "\n")
+    _, ins = read_sass_csv(str(path))
+    assert ins[1].written() == {20, 21, 22, 23} and ins[0].written() == {198}
+    assert ins[1].named() == {20, 21, 22, 23, 8, 9}  # R8.64 is a pair
+    traced = [(i.address, [ld.address for ld in loads]) for i, loads in long_load_feeders(ins)]
+    assert traced == [("0x30", ["0x10"]), ("0x40", ["0x20"]), ("0x50", ["0x20"]), ("0x60", [])]
+    main([str(path)])
+    assert "0x30" in capsys.readouterr().out
