@@ -193,9 +193,10 @@ def test_attention_with_logits_over_many_octaves_matches_the_reference(t):
 
 @pytest.mark.parametrize("t", [3, 24])
 def test_fp8_attention_over_many_tiles_matches_the_reference(t):
-    # The model's FP8 layout with 400 selected pool rows a query besides the window: 14 tiles, so
-    # the CUDA kernel's tile pipeline wraps its decoded-tile buffers and slot ring many times;
-    # 3 queries split their rows over blocks, 24 do not.
+    # The model's FP8 layout with 400 selected pool rows a query besides the window: 14 32-row
+    # tiles (7 of the wgmma code's 64-row ones), so the CUDA kernel's tile pipeline wraps its
+    # decoded-tile buffers and slot ring many times; 3 queries split their rows over blocks, 24
+    # do not.
     _check_bf16_attention(np.random.default_rng(7 + t), EntryFormat.KV_FP8, 64, 512, 64, t, comp_rows=600,
                           comp_slots=400)
 

@@ -63,17 +63,14 @@ DSV4_HD float DecodeEntry(const TableView& t, int64_t row, int64_t k) {
 }
 
 // Row `row` of t decoded to f32 into out[0 .. t.width()): DecodeEntry of every entry, with the
-// scale read once a block instead of once an entry (host code: the CPU kernels).
+// scale read once a block instead of once an entry (host code: the CPU kernels). An unscaled
+// table multiplies by 1, which leaves every value as it is.
 inline void DecodeRow(const TableView& t, int64_t row, float* out) {
   const int64_t step = t.scales_width ? t.block : t.values_width;
   for (int64_t k0 = 0; k0 < t.values_width; k0 += step) {
     const int64_t k1 = k0 + step < t.values_width ? k0 + step : t.values_width;
-    if (t.scales_width) {
-      const float scale = E8m0ToFloat(t.scales[row * t.scales_width + k0 / t.block]);
-      for (int64_t k = k0; k < k1; ++k) out[k] = LoadElem(t.values, t.values_type, row * t.values_width + k) * scale;
-    } else {
-      for (int64_t k = k0; k < k1; ++k) out[k] = LoadElem(t.values, t.values_type, row * t.values_width + k);
-    }
+    const float scale = t.scales_width ? E8m0ToFloat(t.scales[row * t.scales_width + k0 / t.block]) : 1.0f;
+    for (int64_t k = k0; k < k1; ++k) out[k] = LoadElem(t.values, t.values_type, row * t.values_width + k) * scale;
   }
   for (int64_t k = 0; k < t.rope_width; ++k) {
     out[t.values_width + k] = LoadElem(t.rope, t.rope_type, row * t.rope_width + k);
