@@ -309,19 +309,22 @@ __device__ __forceinline__ void DecodeFlashFp8Tile(const Slot* tile, const Flash
     const int offset = kCoreLayout ? CoreChunkOffset(r, c, kHead / 8) : 2 * (r * ld + 8 * c);
     return reinterpret_cast<uint4*>(bytes + offset);
   };
-  const uint4 zero = make_uint4(0, 0, 0, 0);
+  // An empty slot's row is stored as zeros by masking its words, not by choosing between the
+  // decoded and a zero value: the choice compiled to a branch around each eight-value group, so
+  // the groups' conversions ran one after another through the same registers (in the SASS).
   const int r = threadIdx.x % kTile, part = threadIdx.x / kTile;
-  const bool valid = tile[r].table >= 0;
+  const uint32_t keep = tile[r].table >= 0 ? ~0u : 0u;
+  auto masked = [keep](uint4 w) { return make_uint4(w.x & keep, w.y & keep, w.z & keep, w.w & keep); };
   if (part < kScales) {
     const float scale = E8m0ToFloat(raw.scale);
 #pragma unroll
     for (int k = 0; k < kBlock / 16; ++k) {
       const uint4 w = raw.values[k];
-      *chunk(r, kBlock / 8 * part + 2 * k) = valid ? E4m3EightToBf16(make_uint2(w.x, w.y), scale) : zero;
-      *chunk(r, kBlock / 8 * part + 2 * k + 1) = valid ? E4m3EightToBf16(make_uint2(w.z, w.w), scale) : zero;
+      *chunk(r, kBlock / 8 * part + 2 * k) = masked(E4m3EightToBf16(make_uint2(w.x, w.y), scale));
+      *chunk(r, kBlock / 8 * part + 2 * k + 1) = masked(E4m3EightToBf16(make_uint2(w.z, w.w), scale));
     }
   }
-  *chunk(r, kValues / 8 + part) = valid ? raw.rope : zero;
+  *chunk(r, kValues / 8 + part) = masked(raw.rope);
 }
 
 // The on-chip merge of a cluster's split parts (the file comment): out = sum_s 2^(m_s - M) o_s /
