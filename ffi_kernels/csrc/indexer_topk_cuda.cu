@@ -100,6 +100,43 @@ __device__ __forceinline__ int64_t CandidateRow(const int32_t* pages, int64_t ep
   return page >= 0 ? min(page * epp + s32 % epp32, rows - 1) : rows - 1;
 }
 
+// One thread's candidate in each successive tile of kMmaRows (s = s0, s0 + kMmaRows, ...) and
+// the row it reads (CandidateRow's). Next() loads the candidate's page-table entry and steps to
+// the next tile; Row() of what it returned, called a tile later, forms the row when the entry
+// has long arrived. The page and the offset in it advance by additions (the division by the
+// page size would cost a tile more than the rest of this).
+struct TileCandidates {
+  struct Pending {
+    int32_t entry;   // the page-table entry (-1: unallocated page)
+    int32_t offset;  // the candidate's offset in its page
+    bool valid;      // s < end
+  };
+  const int32_t* pages;
+  int64_t rows;
+  int32_t s, end, epp, page, offset, step_pages, step_offset, last_page;
+  // end > 0: past it, the last visible candidate's page entry is loaded and not used. (With a
+  // branch around the load, the entry's register was also written with a default, and the
+  // compiler made that write wait for the loads in flight, the keys just issued among them.)
+  __device__ TileCandidates(const int32_t* pages, int64_t epp, int64_t s0, int64_t end, int64_t rows)
+      : pages(pages), rows(rows), s(static_cast<int32_t>(s0)), end(static_cast<int32_t>(end)),
+        epp(static_cast<int32_t>(epp)) {
+    // 32-bit divisions (S < 2^31), once.
+    page = s / this->epp, offset = s % this->epp;
+    step_pages = kMmaRows / this->epp, step_offset = kMmaRows % this->epp;
+    last_page = (this->end - 1) / this->epp;
+  }
+  __device__ __forceinline__ Pending Next() {
+    const Pending p{pages[min(page, last_page)], offset, s < end};
+    s += kMmaRows, page += step_pages, offset += step_offset;
+    if (offset >= epp) offset -= epp, ++page;
+    return p;
+  }
+  __device__ __forceinline__ int64_t Row(const Pending& p) const {
+    if (!p.valid) return -1;
+    return p.entry >= 0 ? min(static_cast<int64_t>(p.entry) * epp + p.offset, rows - 1) : rows - 1;
+  }
+};
+
 // The candidates query t may see: its causal limit, clipped to [0, S] (none without keys).
 __device__ __forceinline__ int64_t VisibleCandidates(const TableView& keys, const int32_t* limit, int64_t t,
                                                      int64_t s_n) {
@@ -329,7 +366,9 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
 // memory, so q stays there and the accumulators (32 a thread) hold all 64 heads of the
 // warp's 16 candidates: the ReLU-weighted head sum needs no other warp. The products are
 // asynchronous: while tile n's run from one key buffer, the block decodes tile n + 1 into the
-// other (its keys loaded into registers a tile ahead), then waits for them.
+// other (its keys loaded into registers a tile ahead), then waits for them. Each thread finds
+// its own candidates' rows (TileCandidates), so no row table in shared memory orders a load
+// behind a barrier.
 // q and the keys are K-major operands in shared memory (wgmma.h's core-matrix layout, 16 chunks
 // a row): a k-step of 16 is two chunks, 128 bytes apart, and 8-row groups are 2048 bytes apart.
 // The decode's 16-byte stores of 8 consecutive rows fill one 128-byte line: conflict-free.
@@ -355,17 +394,23 @@ __device__ void WgmmaPairScores(const uint16_t* q, const float* w, const TableVi
   using Gmma = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
   // The descriptor of the tile at `tile`; k-step kk reads WgmmaDescriptorAt(it, kk * 2 * 128).
   auto descriptor = [](const unsigned char* tile) { return WgmmaDescriptor(tile, 128, kChunks * 128); };
-  __shared__ int64_t rows_s[2][kMmaRows];  // stored row of each candidate of the tile (-1 past the end)
   unsigned char* q_s = smem;  // [2 queries][64 heads][128], core-matrix layout
   auto key_buffer = [&](int b) { return smem + (2 + b) * kTileBytes; };
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, u = warp / 4, g = lane / 4, c = lane % 4;
   const int row0 = 16 * (warp % 4) + g;  // this lane's candidates: row0 and row0 + 8 of the tile
-  const int32_t* pages = page_table + ts[0] * p_n;
+  // This warpgroup's query and its end (selected, not indexed: a dynamic index into the
+  // caller's arrays is a local-memory load).
+  const int64_t t_u = u == 0 ? ts[0] : ts[1], end_u = u == 0 ? ends[0] : ends[1];
+  // Thread quarter_row + 64 quarter loads and decodes quarter `quarter` of the tile's row
+  // quarter_row; the page-table entry of that row's candidate is loaded a tile before its keys.
+  const int quarter_row = threadIdx.x % kMmaRows, quarter = threadIdx.x / kMmaRows;
+  TileCandidates candidates(page_table + ts[0] * p_n, epp, begin + quarter_row, end, keys.rows);
+  TileCandidates::Pending next = candidates.Next();  // tile 0's entry
   for (int e = threadIdx.x; e < 2 * kMmaRows * kChunks; e += kThreads) {  // all copies in flight at once
     const int v = e / (kMmaRows * kChunks), r = e / kChunks % kMmaRows, k = e % kChunks;
     unsigned char* dst = q_s + v * kTileBytes + CoreChunkOffset(r, k, kChunks);
     if (r < i_n) {
-      CopyAsync16(dst, q + (ts[v] * i_n + r) * index_fp4::kDim + 8 * k);
+      CopyAsync16(dst, q + ((v == 0 ? ts[0] : ts[1]) * i_n + r) * index_fp4::kDim + 8 * k);
     } else {
       *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
     }
@@ -377,18 +422,10 @@ __device__ void WgmmaPairScores(const uint16_t* q, const float* w, const TableVi
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int head = 8 * j + 2 * c + h;
-      w_head[j][h] = head < i_n ? w[ts[u] * i_n + head] : 0.0f;
+      w_head[j][h] = head < i_n ? w[t_u * i_n + head] : 0.0f;
     }
   }
-  auto resolve_rows = [&](int64_t* rows, int64_t tile_begin) {
-    if (threadIdx.x < kMmaRows) {
-      const int64_t s = tile_begin + threadIdx.x;
-      rows[threadIdx.x] = s < end ? CandidateRow(pages, epp, s, keys.rows) : -1;
-    }
-  };
   Fp4Quarter fp4;  // this thread's quarter row of the next tile
-  const int quarter_row = threadIdx.x % kMmaRows, quarter = threadIdx.x / kMmaRows;
-  auto load_tile = [&](const int64_t* rows) { fp4.Load(keys, rows[quarter_row], quarter); };
   auto decode_tile = [&](unsigned char* dst) {
     uint4 chunks[4];
     fp4.Decode(chunks);
@@ -397,18 +434,19 @@ __device__ void WgmmaPairScores(const uint16_t* q, const float* w, const TableVi
       *reinterpret_cast<uint4*>(dst + CoreChunkOffset(quarter_row, 4 * quarter + e, kChunks)) = chunks[e];
     }
   };
-  resolve_rows(rows_s[0], begin);
-  __syncthreads();  // the first tile's rows resolved
-  load_tile(rows_s[0]);
-  CopyAsyncCommitAndWaitAll();  // this thread's q copies landed
-  resolve_rows(rows_s[1], begin + kMmaRows);
+  fp4.Load(keys, candidates.Row(next), quarter);  // tile 0's keys, in flight together with q
+  next = candidates.Next();                       // tile 1's entry
+  CopyAsyncCommitAndWaitAll();                    // this thread's q copies landed
   decode_tile(key_buffer(0));
   FenceSharedForAsyncProxy();
-  __syncthreads();  // q and the first tile in shared memory; the second tile's rows resolved
-  if (begin + kMmaRows < end) load_tile(rows_s[1]);
+  __syncthreads();  // q and the first tile in shared memory
+  if (begin + kMmaRows < end) fp4.Load(keys, candidates.Row(next), quarter);
+  next = candidates.Next();  // tile 2's entry
   const uint64_t q_u = descriptor(q_s + WarpgroupIndex() * kTileBytes);
-  // Tile n: products from buffer n % 2 issued; tile n + 1 decoded into the other and tile
-  // n + 2's rows resolved while they run; wait; scores emitted; one barrier; tile n + 2 loaded.
+  // Tile n: products from buffer n % 2 issued; while they run, tile n + 1 decoded into the other
+  // buffer from this thread's registers, tile n + 2's keys loaded into them (so that a load has
+  // the rest of a tile, the wait, the scores and the barrier, before its decode) and tile
+  // n + 3's page-table entry loaded; wait; scores emitted; one barrier.
   for (int64_t base = begin, n = 0; base < end; base += kMmaRows, ++n) {
     const int b = static_cast<int>(n % 2);
     float acc[32];
@@ -424,7 +462,8 @@ __device__ void WgmmaPairScores(const uint16_t* q, const float* w, const TableVi
       decode_tile(key_buffer(b ^ 1));
       FenceSharedForAsyncProxy();
     }
-    resolve_rows(rows_s[b], base + 2 * kMmaRows);
+    if (base + 2 * kMmaRows < end) fp4.Load(keys, candidates.Row(next), quarter);
+    next = candidates.Next();
     cute::warpgroup_wait<0>();
     FenceOperands(acc);
 #pragma unroll
@@ -438,10 +477,9 @@ __device__ void WgmmaPairScores(const uint16_t* q, const float* w, const TableVi
       v += __shfl_xor_sync(0xffffffffu, v, 1);
       v += __shfl_xor_sync(0xffffffffu, v, 2);
       const int64_t s = base + row0 + 8 * r;
-      sink.Emit(u, s, v, c == 0 && s < ends[u]);
+      sink.Emit(u, s, v, c == 0 && s < end_u);
     }
-    sink.Barrier();  // buffer b read (every warpgroup waited); tile n + 1 decoded; rows of n + 2
-    if (base + 2 * kMmaRows < end) load_tile(rows_s[b]);
+    sink.Barrier();  // buffer b read (every warpgroup waited); tile n + 1 decoded
   }
 }
 
