@@ -466,19 +466,27 @@ __device__ void WgmmaPairScores(const uint16_t* q, const float* w, const TableVi
     next = candidates.Next();
     cute::warpgroup_wait<0>();
     FenceOperands(acc);
+    // The weighted head sums of candidates row0 and row0 + 8 (acc[4 j + 2 r + h] is candidate
+    // row0 + 8 r, head 8 j + 2c + h): a lane's 16 heads in four chains of four (one chain of 16
+    // waited for each add's latency), then over the row's four lanes. Lane c = 0 emits row0's,
+    // lane c = 1 row0 + 8's: one append to the pool a warp and tile.
+    float sums[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {  // candidate row0, then row0 + 8: acc[4 j + 2 r + h] is head 8 j + 2c + h
-      float v = 0.0f;
+    for (int r = 0; r < 2; ++r) {
+      float chain[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        v += w_head[j][0] * fmaxf(acc[4 * j + 2 * r], 0.0f);
-        v += w_head[j][1] * fmaxf(acc[4 * j + 2 * r + 1], 0.0f);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          chain[(2 * j + h) % 4] += w_head[j][h] * fmaxf(acc[4 * j + 2 * r + h], 0.0f);
+        }
       }
-      v += __shfl_xor_sync(0xffffffffu, v, 1);
-      v += __shfl_xor_sync(0xffffffffu, v, 2);
-      const int64_t s = base + row0 + 8 * r;
-      sink.Emit(u, s, v, c == 0 && s < end_u);
+      sums[r] = (chain[0] + chain[1]) + (chain[2] + chain[3]);
+      sums[r] += __shfl_xor_sync(0xffffffffu, sums[r], 1);
+      sums[r] += __shfl_xor_sync(0xffffffffu, sums[r], 2);
     }
+    const int64_t s = base + row0 + 8 * (c & 1);
+    sink.Emit(u, s, c == 0 ? sums[0] : sums[1], c < 2 && s < end_u);
     sink.Barrier();  // buffer b read (every warpgroup waited); tile n + 1 decoded
   }
 }
