@@ -100,11 +100,12 @@ __device__ __forceinline__ int64_t CandidateRow(const int32_t* pages, int64_t ep
   return page >= 0 ? min(page * epp + s32 % epp32, rows - 1) : rows - 1;
 }
 
-// One thread's candidate in each successive tile of kMmaRows (s = s0, s0 + kMmaRows, ...) and
-// the row it reads (CandidateRow's). Next() loads the candidate's page-table entry and steps to
+// One thread's candidate in each successive tile of kTile candidates (s = s0, s0 + kTile, ...)
+// and the row it reads (CandidateRow's). Next() loads the candidate's page-table entry and steps to
 // the next tile; Row() of what it returned, called a tile later, forms the row when the entry
 // has long arrived. The page and the offset in it advance by additions (the division by the
 // page size would cost a tile more than the rest of this).
+template <int kTile>
 struct TileCandidates {
   struct Pending {
     int32_t entry;   // the page-table entry (-1: unallocated page)
@@ -122,12 +123,12 @@ struct TileCandidates {
         epp(static_cast<int32_t>(epp)) {
     // 32-bit divisions (S < 2^31), once.
     page = s / this->epp, offset = s % this->epp;
-    step_pages = kMmaRows / this->epp, step_offset = kMmaRows % this->epp;
+    step_pages = kTile / this->epp, step_offset = kTile % this->epp;
     last_page = (this->end - 1) / this->epp;
   }
   __device__ __forceinline__ Pending Next() {
     const Pending p{pages[min(page, last_page)], offset, s < end};
-    s += kMmaRows, page += step_pages, offset += step_offset;
+    s += kTile, page += step_pages, offset += step_offset;
     if (offset >= epp) offset -= epp, ++page;
     return p;
   }
@@ -404,8 +405,8 @@ __device__ void WgmmaPairScores(const uint16_t* q, const float* w, const TableVi
   // Thread quarter_row + 64 quarter loads and decodes quarter `quarter` of the tile's row
   // quarter_row; the page-table entry of that row's candidate is loaded a tile before its keys.
   const int quarter_row = threadIdx.x % kMmaRows, quarter = threadIdx.x / kMmaRows;
-  TileCandidates candidates(page_table + ts[0] * p_n, epp, begin + quarter_row, end, keys.rows);
-  TileCandidates::Pending next = candidates.Next();  // tile 0's entry
+  TileCandidates<kMmaRows> candidates(page_table + ts[0] * p_n, epp, begin + quarter_row, end, keys.rows);
+  auto next = candidates.Next();  // tile 0's entry
   for (int e = threadIdx.x; e < 2 * kMmaRows * kChunks; e += kThreads) {  // all copies in flight at once
     const int v = e / (kMmaRows * kChunks), r = e / kChunks % kMmaRows, k = e % kChunks;
     unsigned char* dst = q_s + v * kTileBytes + CoreChunkOffset(r, k, kChunks);
