@@ -101,10 +101,10 @@ __device__ __forceinline__ int64_t CandidateRow(const int32_t* pages, int64_t ep
 }
 
 // One thread's candidate in each successive tile of kTile candidates (s = s0, s0 + kTile, ...)
-// and the row it reads (CandidateRow's). Next() loads the candidate's page-table entry and steps to
-// the next tile; Row() of what it returned, called a tile later, forms the row when the entry
-// has long arrived. The page and the offset in it advance by additions (the division by the
-// page size would cost a tile more than the rest of this).
+// and the row it reads (CandidateRow's). Next() loads the candidate's page-table entry and
+// steps to the next tile; Row() of what it returned, called a tile later, forms the row when the
+// entry has long arrived. The page and the offset in it advance by additions (the division by
+// the page size would cost a tile more than the rest of this).
 template <int kTile>
 struct TileCandidates {
   struct Pending {
