@@ -440,6 +440,33 @@ def test_indexer_topk_pairs_a_requests_queries_on_a_long_chunk(monkeypatch, head
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.parametrize("epp", [48, 96])
+def test_indexer_topk_pairs_follow_pages_of_any_size(monkeypatch, epp):
+    # The paired kernel (CUDA, at least 4 queries a multiprocessor) follows each thread's
+    # candidate from one 64-candidate tile to the next by additions to its page and offset:
+    # pages of 48 or 96 entries put the tiles' boundaries at changing offsets within a page. An
+    # unallocated page (-1) and a page past the table's rows read its last row (the reference's
+    # clipped gather). Keys scaled so that some E8M0 bytes exceed 128 (the FP4 decode's second
+    # multiply), mixed within tiles. One request: every pair is scored together.
+    _indexer_mode(monkeypatch, "fused")
+    rng = np.random.default_rng(epp)
+    t, i, pages, stored, topk = 600, 8, 12, 10, 64
+    keys = _table(rng, EntryFormat.INDEX_FP4, stored * epp, 128, 0, jnp.bfloat16, scale=4.0)
+    scale_bytes = np.asarray(keys.arrays[1])
+    assert (scale_bytes > 128).any() and (scale_bytes <= 128).any()
+    q = jnp.asarray(rng.normal(size=(t, i, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(t, i)), jnp.float32)
+    row = np.concatenate([rng.permutation(stored), [-1, stored]])  # 12 pages, two without rows
+    rng.shuffle(row)
+    page_table = jnp.asarray(np.tile(row, (t, 1)), jnp.int32)
+    limit = rng.integers(0, pages * epp + 1, size=t)
+    limit[::5] = pages * epp
+    limit = jnp.asarray(limit, jnp.int32)
+    want = indexer_ref.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+    got = indexer_ffi.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_indexer_topk_ties_go_to_the_lower_candidate():
     # Negative dots give every candidate a zero score after the ReLU: an all-tie row.
     q = -jnp.ones((1, 2, 32), jnp.float32)
