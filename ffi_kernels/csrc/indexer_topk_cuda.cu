@@ -91,20 +91,25 @@ __device__ __forceinline__ uint32_t OrderKey(float v) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// The stored row of candidate s: its page's row, or the last row for an unallocated page (the
-// reference's clipped gather), clipped to the table too.
+// The stored row of the candidate at `offset` in a page with page-table entry `page`: the
+// page's row, or the last row for an unallocated page (the reference's clipped gather),
+// clipped to the table too.
+__device__ __forceinline__ int64_t RowInPage(int64_t page, int64_t epp, int64_t offset, int64_t rows) {
+  return page >= 0 ? min(page * epp + offset, rows - 1) : rows - 1;
+}
+
+// The stored row of candidate s (RowInPage).
 __device__ __forceinline__ int64_t CandidateRow(const int32_t* pages, int64_t epp, int64_t s, int64_t rows) {
   // 32-bit division (S < 2^31; a 64-bit one is a long software routine on the GPU).
   const int32_t s32 = static_cast<int32_t>(s), epp32 = static_cast<int32_t>(epp);
-  const int64_t page = pages[s32 / epp32];
-  return page >= 0 ? min(page * epp + s32 % epp32, rows - 1) : rows - 1;
+  return RowInPage(pages[s32 / epp32], epp, s32 % epp32, rows);
 }
 
 // One thread's candidate in each successive tile of kTile candidates (s = s0, s0 + kTile, ...)
-// and the row it reads (CandidateRow's). Next() loads the candidate's page-table entry and
-// steps to the next tile; Row() of what it returned, called a tile later, forms the row when the
-// entry has long arrived. The page and the offset in it advance by additions (the division by
-// the page size would cost a tile more than the rest of this).
+// and the row it reads (RowInPage, as CandidateRow). Next() loads the candidate's page-table
+// entry and steps to the next tile; Row() of what it returned, called a tile later, forms the
+// row when the entry has long arrived. The page and the offset in it advance by additions (the
+// division by the page size would cost a tile more than the rest of this).
 template <int kTile>
 struct TileCandidates {
   struct Pending {
@@ -133,8 +138,7 @@ struct TileCandidates {
     return p;
   }
   __device__ __forceinline__ int64_t Row(const Pending& p) const {
-    if (!p.valid) return -1;
-    return p.entry >= 0 ? min(static_cast<int64_t>(p.entry) * epp + p.offset, rows - 1) : rows - 1;
+    return p.valid ? RowInPage(p.entry, epp, p.offset, rows) : -1;
   }
 };
 
