@@ -203,11 +203,10 @@ def test_fp8_attention_over_many_tiles_matches_the_reference(t):
 
 @pytest.mark.parametrize("comp_slots", [20, 60, 120, 400])
 def test_fp8_attention_unsplit_over_odd_and_even_tile_counts_matches_the_reference(monkeypatch, comp_slots):
-    # One part a query (as prefill), the model's FP8 layout: on SM90 the CUDA kernel's
-    # alternating-tile schedule, where the two warpgroups take alternate 64-row tiles and meet
-    # once a pair. 40 window slots plus 20 / 60 / 120 / 400 pool slots are 1 / 2 / 3 / 7 tiles, so
-    # the last pair's second tile is empty for odd counts; q scaled so that the running max moves
-    # between the warpgroups' tiles by many octaves.
+    # One part a query (as prefill), the model's FP8 layout: 40 window slots plus 20 / 60 / 120 /
+    # 400 pool slots are 1 / 2 / 3 / 7 of the CUDA kernel's 64-row tiles, odd and even counts (a
+    # schedule that pairs tiles, as bench/experiments' alternating-tile patch, then meets an
+    # empty last tile); q scaled so that the running max moves between tiles by many octaves.
     monkeypatch.setattr(attn_ffi, "split_parts", lambda q, slots: 1)
     _check_bf16_attention(np.random.default_rng(comp_slots), EntryFormat.KV_FP8, 64, 512, 64, 5, comp_rows=600,
                           comp_slots=comp_slots, q_scale=8.0)
