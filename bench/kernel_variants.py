@@ -1,0 +1,189 @@
+"""Compare FFI kernel variants in one run: the working tree's kernels and each patch applied to a
+copy of them, built side by side, then tested and benchmarked in turn.
+
+    python -m bench.kernel_variants [PATCH ...] [--ops sparse_attention] [--decode 32,64]
+        [--prefill 65536] [--tests "attention or split"] [--out DIR]
+
+Each variant is `ffi_kernels/` copied to `var/<name>/` (`base` unchanged, else the patch's file
+name) with its patch applied (`git apply --directory`), configured and built by CMake for
+`--arch` in parallel with the others, and installed next to its copy. Then, for base, each
+patch, and base again: its libraries are copied into `ffi_kernels/` (`PYTHONPATH` cannot
+select them: `python -m` puts the working directory first on `sys.path`), the `--tests`
+subset of `tests/test_ffi_kernels.py` runs once per variant (a variant that fails is not
+benchmarked), and `bench.ffi_bench --timing profile` measures `--ops`. Printed: each case's
+time per variant and its ratio to base (the mean of base's two runs, which bracket the others
+so that drift shows). The working tree's own libraries are put back at the end.
+
+On the H200 machine (see README's developer notes; carry `third_party` for the CuTe headers):
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 -m bench.kernel_variants \\
+        bench/experiments/2026-12-02_attention_alternating_tiles.patch --ops sparse_attention \\
+        --tests "attention or split or tensor_core or octaves or unsplit" --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "ffi_kernels"
+VARIANTS = ROOT / "var"
+
+
+def log(msg: str) -> None:
+    print(f"[kernel_variants {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def libraries(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.so"))
+
+
+def prepare(name: str, patch: Path | None) -> Path:
+    """var/<name>/ffi_kernels: a copy of the kernels' sources, with `patch` applied."""
+    home = VARIANTS / name
+    shutil.rmtree(home, ignore_errors=True)
+    shutil.copytree(KERNELS, home / "ffi_kernels", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    if patch is not None:
+        rel = home.relative_to(ROOT)
+        done = subprocess.run(["git", "apply", f"--directory={rel}", str(patch.resolve())], cwd=ROOT,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"{patch} does not apply to the working tree's kernels:\n{done.stderr}")
+    return home
+
+
+def start_build(home: Path, args: argparse.Namespace, jobs: int) -> subprocess.Popen:
+    build = Path(args.build_root) / home.name
+    shutil.rmtree(build, ignore_errors=True)
+    defines = [f"-DPython3_EXECUTABLE={sys.executable}", f"-DDSV4_CUDA_ARCHITECTURES={args.arch}",
+               f"-DDSV4_CUTLASS_INCLUDE_DIR={Path(args.cutlass).resolve()}"]
+    if args.cpu_only:
+        defines.append("-DDSV4_BUILD_CUDA=OFF")
+    script = " && ".join([
+        " ".join(["cmake", "-S", str(home / "ffi_kernels"), "-B", str(build), "-G", "Ninja", *defines]),
+        f"cmake --build {build} -j {jobs}",
+        f"cmake --install {build} --prefix {home}",
+    ])
+    log_file = open(home / "build.log", "w")
+    return subprocess.Popen(["bash", "-c", script], stdout=log_file, stderr=subprocess.STDOUT)
+
+
+def use(home: Path) -> None:
+    """Puts the variant's libraries where the loader looks first."""
+    for lib in libraries(KERNELS):
+        lib.unlink()
+    for lib in libraries(home / "ffi_kernels"):
+        shutil.copy2(lib, KERNELS / lib.name)
+
+
+def run_tests(expr: str, timeout: int) -> bool:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_ffi_kernels.py", "-k", expr]
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log(f"tests did not finish in {timeout} s (a hang?)")
+        return False
+    tail = done.stdout.strip().splitlines()[-1:] or ["(no output)"]
+    log(f"tests: {tail[0]}")
+    if done.returncode != 0:
+        print(done.stdout[-4000:], flush=True)
+    return done.returncode == 0
+
+
+def run_bench(args: argparse.Namespace, json_path: Path) -> dict[str, float]:
+    cmd = [sys.executable, "-m", "bench.ffi_bench", "--decode", args.decode, "--prefill", args.prefill, "--ops",
+           args.ops, "--backends", "ffi", "--timing", args.timing, "--steps", str(args.steps), "--warmup", "2",
+           "--json", str(json_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.bench_timeout)
+    if done.returncode != 0:
+        print(done.stdout[-2000:], done.stderr[-4000:], flush=True)
+        return {}
+    results = json.loads(json_path.read_text())["results"]
+    return {f"{r['op']} {r['case']}": r["ffi"]["ms"] for r in results if r.get("ffi", {}).get("ms") is not None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("patches", nargs="*", type=Path, help="patches to the working tree (git diff format)")
+    ap.add_argument("--ops", default="sparse_attention,indexer_topk")
+    ap.add_argument("--decode", default="1,8,32,64")
+    ap.add_argument("--prefill", default="65536")
+    ap.add_argument("--timing", default="profile", help="bench.ffi_bench --timing (profile needs a GPU)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--tests", default="", help="pytest -k expression run on each variant before its benchmark")
+    ap.add_argument("--test-timeout", type=int, default=300)
+    ap.add_argument("--bench-timeout", type=int, default=300)
+    ap.add_argument("--arch", default="90a")
+    ap.add_argument("--cutlass", default=str(ROOT / "third_party/cutlass_library/source/include"))
+    ap.add_argument("--build-root", default="/tmp/kernel_variants")
+    ap.add_argument("--cpu-only", action="store_true", help="build without CUDA (checks this script off the GPU)")
+    ap.add_argument("--out", type=Path, default=ROOT / "out" / "kernel_variants")
+    args = ap.parse_args()
+    for patch in args.patches:
+        if not patch.is_file():
+            sys.exit(f"no such patch: {patch}")
+    names = ["base"] + [p.name.removesuffix(".patch") for p in args.patches]
+    if len(set(names)) != len(names):
+        sys.exit("two variants would share a name: give the patches different file names")
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    homes = {name: prepare(name, patch) for name, patch in zip(names, [None, *args.patches])}
+    jobs = max(1, (os.cpu_count() or 2) // len(homes))
+    log(f"building {', '.join(names)} ({jobs} jobs each)")
+    builds = {name: start_build(home, args, jobs) for name, home in homes.items()}
+    failed = [name for name, proc in builds.items() if proc.wait() != 0]
+    for name in failed:
+        log(f"{name} did not build; the end of var/{name}/build.log:")
+        print("\n".join((homes[name] / "build.log").read_text().splitlines()[-30:]), flush=True)
+    if failed:
+        sys.exit(1)
+
+    saved = ROOT / "var" / "working_tree_libraries"
+    shutil.rmtree(saved, ignore_errors=True)
+    saved.mkdir(parents=True)
+    for lib in libraries(KERNELS):
+        shutil.copy2(lib, saved / lib.name)
+    times: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    try:
+        for k, name in enumerate([*names, "base"]):
+            use(homes[name])
+            first_run = k < len(names)
+            if first_run and args.tests and not run_tests(args.tests, args.test_timeout):
+                log(f"{name}: tests failed, not benchmarked")
+                continue
+            measured = run_bench(args, args.out / f"{name}_{k}.json")
+            log(f"{name}: " + ", ".join(f"{case} {ms:.4g} ms" for case, ms in measured.items()))
+            times[name].append(measured)
+    finally:
+        for lib in libraries(KERNELS):
+            lib.unlink()
+        for lib in libraries(saved):
+            shutil.copy2(lib, KERNELS / lib.name)
+
+    cases = sorted({case for runs in times.values() for run in runs for case in run})
+    base = {case: [run[case] for run in times["base"] if case in run] for case in cases}
+    print("\n| case | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for case in cases:
+        ref = sum(base[case]) / len(base[case]) if base[case] else None
+        cells = []
+        for name in names:
+            runs = [run[case] for run in times[name] if case in run]
+            if not runs:
+                cells.append("-")
+            elif name == "base":
+                cells.append(" / ".join(f"{ms:.4g}" for ms in runs) + " ms")
+            else:
+                cells.append(f"{runs[0]:.4g} ms" + (f" ({runs[0] / ref:.3f}x)" if ref else ""))
+        print(f"| {case} | " + " | ".join(cells) + " |")
+    (args.out / "summary.json").write_text(json.dumps({"variants": names, "times": times}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
