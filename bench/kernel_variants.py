@@ -18,7 +18,7 @@ On the H200 machine (see README's developer notes; carry `third_party` for the C
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 -m bench.kernel_variants \\
         bench/experiments/2026-12-02_attention_alternating_tiles.patch --ops sparse_attention \\
-        --tests "attention or split or tensor_core or octaves or unsplit" --out $OUT
+        --tests "attention or split or tensor_core or octaves or unsplit" --test-workers 14 --out $OUT
 """
 from __future__ import annotations
 
@@ -82,8 +82,10 @@ def use(home: Path) -> None:
         shutil.copy2(lib, KERNELS / lib.name)
 
 
-def run_tests(expr: str, timeout: int) -> bool:
+def run_tests(expr: str, workers: int, timeout: int) -> bool:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_ffi_kernels.py", "-k", expr]
+    if workers:
+        cmd += ["-n", str(workers)]  # pytest-xdist
     try:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -117,6 +119,7 @@ def main() -> None:
     ap.add_argument("--timing", default="profile", help="bench.ffi_bench --timing (profile needs a GPU)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--tests", default="", help="pytest -k expression run on each variant before its benchmark")
+    ap.add_argument("--test-workers", type=int, default=0, help="pytest-xdist workers (0: none)")
     ap.add_argument("--test-timeout", type=int, default=300)
     ap.add_argument("--bench-timeout", type=int, default=300)
     ap.add_argument("--arch", default="90a")
@@ -154,7 +157,7 @@ def main() -> None:
         for k, name in enumerate([*names, "base"]):
             use(homes[name])
             first_run = k < len(names)
-            if first_run and args.tests and not run_tests(args.tests, args.test_timeout):
+            if first_run and args.tests and not run_tests(args.tests, args.test_workers, args.test_timeout):
                 log(f"{name}: tests failed, not benchmarked")
                 continue
             measured = run_bench(args, args.out / f"{name}_{k}.json")
