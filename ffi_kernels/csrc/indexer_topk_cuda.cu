@@ -453,9 +453,7 @@ __device__ void WgmmaPairScores(const uint16_t* q, const float* w, const TableVi
   // the rest of a tile, the wait, the scores and the barrier, before its decode) and tile
   // n + 3's page-table entry loaded; wait; scores emitted; one barrier.
   for (int64_t base = begin, n = 0; base < end; base += kMmaRows, ++n) {
-    // n % 2 through a shuffle: the compiler then knows b, and the key descriptors formed from
-    // it, to be warp-uniform, and issues the products without converting them per thread.
-    const int b = __shfl_sync(0xffffffffu, static_cast<int>(n % 2), 0);
+    const int b = WarpUniform(static_cast<int>(n % 2));  // (the key descriptors then are too)
     float acc[32];
     const uint64_t keys_b = descriptor(key_buffer(b));
     FenceOperands(acc);

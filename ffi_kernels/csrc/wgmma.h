@@ -51,12 +51,13 @@ __device__ __forceinline__ uint64_t WgmmaDescriptorAt(uint64_t descriptor, uint3
   return descriptor + (bytes >> 4);
 }
 
-// This thread's warpgroup, broadcast from lane 0 so that the compiler knows it is one value
-// across the warp: descriptors computed from it live in uniform registers (from threadIdx.x
-// alone, every wgmma waited on four register-to-uniform moves of its descriptors).
-__device__ __forceinline__ int WarpgroupIndex() {
-  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
-}
+// v (the same at every lane) broadcast from lane 0, so that the compiler knows it is one value
+// across the warp: descriptors computed from it live in uniform registers (from a per-thread
+// value, every wgmma waited on four register-to-uniform moves of its descriptors).
+__device__ __forceinline__ int WarpUniform(int v) { return __shfl_sync(0xffffffffu, v, 0); }
+
+// This thread's warpgroup (WarpUniform).
+__device__ __forceinline__ int WarpgroupIndex() { return WarpUniform(static_cast<int>(threadIdx.x / 128)); }
 
 // Makes this thread's generic-proxy shared-memory writes visible to the wgmma reads (async
 // proxy) that follow a barrier.
