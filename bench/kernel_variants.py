@@ -70,15 +70,15 @@ def start_build(home: Path, args: argparse.Namespace, jobs: int) -> subprocess.P
         f"cmake --build {build} -j {jobs}",
         f"cmake --install {build} --prefix {home}",
     ])
-    log_file = open(home / "build.log", "w")
-    return subprocess.Popen(["bash", "-c", script], stdout=log_file, stderr=subprocess.STDOUT)
+    with open(home / "build.log", "w") as log_file:  # (the child keeps its own descriptor)
+        return subprocess.Popen(["bash", "-c", script], stdout=log_file, stderr=subprocess.STDOUT)
 
 
-def use(home: Path) -> None:
-    """Puts the variant's libraries where the loader looks first."""
+def use(source: Path) -> None:
+    """Puts the libraries in `source` where the loader looks first, in place of those there."""
     for lib in libraries(KERNELS):
         lib.unlink()
-    for lib in libraries(home / "ffi_kernels"):
+    for lib in libraries(source):
         shutil.copy2(lib, KERNELS / lib.name)
 
 
@@ -147,27 +147,28 @@ def main() -> None:
     if failed:
         sys.exit(1)
 
-    saved = ROOT / "var" / "working_tree_libraries"
+    saved = VARIANTS / "working_tree_libraries"
     shutil.rmtree(saved, ignore_errors=True)
     saved.mkdir(parents=True)
     for lib in libraries(KERNELS):
         shutil.copy2(lib, saved / lib.name)
     times: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    failing: set[str] = set()
     try:
         for k, name in enumerate([*names, "base"]):
-            use(homes[name])
+            if name in failing:
+                continue
+            use(homes[name] / "ffi_kernels")
             first_run = k < len(names)
             if first_run and args.tests and not run_tests(args.tests, args.test_workers, args.test_timeout):
                 log(f"{name}: tests failed, not benchmarked")
+                failing.add(name)
                 continue
             measured = run_bench(args, args.out / f"{name}_{k}.json")
             log(f"{name}: " + ", ".join(f"{case} {ms:.4g} ms" for case, ms in measured.items()))
             times[name].append(measured)
     finally:
-        for lib in libraries(KERNELS):
-            lib.unlink()
-        for lib in libraries(saved):
-            shutil.copy2(lib, KERNELS / lib.name)
+        use(saved)
 
     cases = sorted({case for runs in times.values() for run in runs for case in run})
     base = {case: [run[case] for run in times["base"] if case in run] for case in cases}
