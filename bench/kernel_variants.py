@@ -9,10 +9,10 @@ name) with its patch applied (`git apply --directory`), configured and built by 
 `--arch` in parallel with the others, and installed next to its copy. Then, for base, each
 patch, and base again: its libraries are copied into `ffi_kernels/` (`PYTHONPATH` cannot
 select them: `python -m` puts the working directory first on `sys.path`), the `--tests`
-subset of `tests/test_ffi_kernels.py` runs once per variant (a variant that fails is not
-benchmarked), and `bench.ffi_bench --timing profile` measures `--ops`. Printed: each case's
-time per variant and its ratio to base (the mean of base's two runs, which bracket the others
-so that drift shows). The working tree's own libraries are put back at the end.
+subset of `tests/test_ffi_kernels.py` runs once per variant (`--untested-base`: the patched
+ones only; a variant that fails is not benchmarked), and `bench.ffi_bench --timing profile`
+measures `--ops`. Printed: each case's time per variant and its ratio to base (the mean of
+base's two runs, which bracket the others so that drift shows). The working tree's own libraries are put back at the end.
 
 On the H200 machine (see README's developer notes; carry `third_party` for the CuTe headers):
 
@@ -119,6 +119,8 @@ def main() -> None:
     ap.add_argument("--timing", default="profile", help="bench.ffi_bench --timing (profile needs a GPU)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--tests", default="", help="pytest -k expression run on each variant before its benchmark")
+    ap.add_argument("--untested-base", action="store_true",
+                    help="run --tests on the patched variants only (the working tree's kernels passed them already)")
     ap.add_argument("--test-workers", type=int, default=0, help="pytest-xdist workers (0: none)")
     ap.add_argument("--test-timeout", type=int, default=300)
     ap.add_argument("--bench-timeout", type=int, default=300)
@@ -160,7 +162,8 @@ def main() -> None:
                 continue
             use(homes[name] / "ffi_kernels")
             first_run = k < len(names)
-            if first_run and args.tests and not run_tests(args.tests, args.test_workers, args.test_timeout):
+            tested = args.tests and not (name == "base" and args.untested_base)
+            if first_run and tested and not run_tests(args.tests, args.test_workers, args.test_timeout):
                 log(f"{name}: tests failed, not benchmarked")
                 failing.add(name)
                 continue
