@@ -12,7 +12,10 @@ select them: `python -m` puts the working directory first on `sys.path`), the `-
 subset of `tests/test_ffi_kernels.py` runs once per variant (`--untested-base`: the patched
 ones only; a variant that fails is not benchmarked), and `bench.ffi_bench --timing profile`
 measures `--ops`. Printed: each case's time per variant and its ratio to base (the mean of
-base's two runs, which bracket the others so that drift shows). The working tree's own libraries are put back at the end.
+base's two runs, which bracket the others so that drift shows). With `--ncu REGEX`, each
+variant's first launch of a kernel matching REGEX in an `--ncu-prefill` chunk is then
+profiled (`ncu --set full`, the CSVs in `--out`) and the metrics that moved against base are
+printed (`bench.ncu_compare`). The working tree's own libraries are put back at the end.
 
 On the H200 machine (see README's developer notes; carry `third_party` for the CuTe headers):
 
@@ -30,6 +33,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench import ncu_compare
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "ffi_kernels"
@@ -110,6 +115,23 @@ def run_bench(args: argparse.Namespace, json_path: Path) -> dict[str, float]:
     return {f"{r['op']} {r['case']}": r["ffi"]["ms"] for r in results if r.get("ffi", {}).get("ms") is not None}
 
 
+def run_ncu(args: argparse.Namespace, csv_path: Path) -> bool:
+    """`ncu --csv --page details` of the first launch matching --ncu in an --ncu-prefill chunk, into csv_path."""
+    cmd = [args.ncu_path, "--set", "full", "--clock-control", "none", "--csv", "--page", "details", "-k",
+           f"regex:{args.ncu}", "-c", "1", sys.executable, "-m", "bench.ffi_bench", "--decode", "none", "--prefill",
+           str(args.ncu_prefill), "--ops", args.ops, "--backends", "ffi", "--steps", "1", "--warmup", "0", "--inner",
+           "1"]
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.bench_timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log(f"ncu did not run: {e}")
+        return False
+    csv_path.write_text(done.stdout)
+    if done.returncode != 0:  # (ncu has ended in a segmentation fault on some builds)
+        log(f"ncu exited with {done.returncode}: {done.stderr[-1000:]}")
+    return '"ID"' in done.stdout
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("patches", nargs="*", type=Path, help="patches to the working tree (git diff format)")
@@ -127,6 +149,11 @@ def main() -> None:
     ap.add_argument("--arch", default="90a")
     ap.add_argument("--cutlass", default=str(ROOT / "third_party/cutlass_library/source/include"))
     ap.add_argument("--build-root", default="/tmp/kernel_variants")
+    ap.add_argument("--ncu", default="", metavar="REGEX",
+                    help="also profile each variant's first launch of the kernels matching REGEX with Nsight Compute "
+                         "(--set full) on an --ncu-prefill chunk, and print the metrics that moved (bench.ncu_compare)")
+    ap.add_argument("--ncu-prefill", type=int, default=8192)
+    ap.add_argument("--ncu-path", default="/usr/local/cuda/bin/ncu")
     ap.add_argument("--cpu-only", action="store_true", help="build without CUDA (checks this script off the GPU)")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "kernel_variants")
     args = ap.parse_args()
@@ -170,6 +197,12 @@ def main() -> None:
             measured = run_bench(args, args.out / f"{name}_{k}.json")
             log(f"{name}: " + ", ".join(f"{case} {ms:.4g} ms" for case, ms in measured.items()))
             times[name].append(measured)
+        profiled = []
+        for name in names if args.ncu else []:
+            if name not in failing:
+                use(homes[name] / "ffi_kernels")
+                if run_ncu(args, args.out / f"{name}_ncu.csv"):
+                    profiled.append(args.out / f"{name}_ncu.csv")
     finally:
         use(saved)
 
@@ -190,6 +223,9 @@ def main() -> None:
                 cells.append(f"{runs[0]:.4g} ms" + (f" ({runs[0] / ref:.3f}x)" if ref else ""))
         print(f"| {case} | " + " | ".join(cells) + " |")
     (args.out / "summary.json").write_text(json.dumps({"variants": names, "times": times}, indent=1))
+    if len(profiled) > 1:
+        print("\nNsight Compute, the metrics that moved by 5% or more (`python -m bench.ncu_compare` on the CSVs):\n")
+        print(ncu_compare.compare(profiled))
 
 
 if __name__ == "__main__":
