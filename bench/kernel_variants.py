@@ -197,7 +197,7 @@ def main() -> None:
             measured = run_bench(args, args.out / f"{name}_{k}.json")
             log(f"{name}: " + ", ".join(f"{case} {ms:.4g} ms" for case, ms in measured.items()))
             times[name].append(measured)
-        profiled = []
+        profiled: list[Path] = []
         for name in names if args.ncu else []:
             if name not in failing:
                 use(homes[name] / "ffi_kernels")
