@@ -57,32 +57,28 @@ def _number(text: str) -> float | None:
 
 
 def changed(tables: Sequence[dict[Key, float]], min_change: float) -> list[Key]:
-    """The metrics whose value in some table differs from the first's by >= min_change of it."""
-    keys = list(dict.fromkeys(k for t in tables for k in t))  # the first table's order, then the others' new ones
+    """The metrics missing from some table or whose value in some table differs from the first's
+    by more than min_change of it, in the first table's order, then the others' new ones."""
     out = []
-    for key in keys:
-        values = [t.get(key) for t in tables]
-        base = values[0]
-        if any(v is None for v in values):
-            out.append(key)
-        elif any(abs(v - base) > min_change * abs(base) for v in values[1:]):
+    for key in dict.fromkeys(k for t in tables for k in t):
+        base, *others = [t.get(key) for t in tables]
+        if base is None or any(v is None or abs(v - base) > min_change * abs(base) for v in others):
             out.append(key)
     return out
 
 
 def markdown(names: Sequence[str], tables: Sequence[dict[Key, float]], keys: Sequence[Key]) -> str:
-    def cell(table: dict[Key, float], key: Key, base: float | None) -> str:
-        v = table.get(key)
+    def cell(v: float | None, base: float | None) -> str:  # a variant's value, with its ratio to base's
         if v is None:
             return "-"
-        ratio = f" ({v / base:.2f}x)" if base not in (None, 0) and table is not tables[0] else ""
-        return f"{v:.4g}{ratio}"
+        return f"{v:.4g}" + (f" ({v / base:.2f}x)" if base else "")
 
     rows = ["| section | metric | unit | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
     durations = [k for k in tables[0] if k[:2] == DURATION]
     for key in [*durations, *(k for k in keys if k not in durations)]:
         base = tables[0].get(key)
-        rows.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cell(t, key, base) for t in tables) + " |")
+        cells = [cell(base, None)] + [cell(t.get(key), base) for t in tables[1:]]
+        rows.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
