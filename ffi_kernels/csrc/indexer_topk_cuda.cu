@@ -10,8 +10,9 @@
 //     streams them into its selection (below): no score reaches HBM, and the block's shared
 //     memory does not grow with the context. This serves the prefill chunk, whose thousands
 //     of queries fill the GPU. With the model's FP4 keys and enough queries, a block takes
-//     two queries with the same page-table row and scores both on each decoded tile
-//     (IndexerTopkKernel): with mma.sync, or on SM90 with wgmma (WgmmaPairScores).
+//     two queries with the same page-table row and scores both on each decoded tile: with
+//     mma.sync (IndexerTopkKernel), or on SM90 with wgmma, one warpgroup a block decoding the
+//     keys straight into the product's register operand (IndexerTopkRsKernel, WgmmaRsScores).
 //   - scored (a [T, S] scratch): IndexerScoreKernel spreads each query's candidates over many
 //     blocks and writes the scores to the scratch, then the selection kernel streams them back.
 //     Dsv4IndexerScratchColumns asks for this for decode, where one block per query would
@@ -29,6 +30,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <string>
+#include <type_traits>
 
 #include "cuda_common.h"
 #include "cuda_tiles.h"
@@ -366,133 +369,160 @@ __device__ void MmaScores(const uint16_t* q, const float* w, const TableView& ke
   }
 }
 
-// Paired FP4 scoring on SM90 with wgmma (the file comment): warpgroup u scores query ts[u] as
-// S^T = K Q^T over each 64-candidate tile, m64n64k16 with both operands read from shared
-// memory, so q stays there and the accumulators (32 a thread) hold all 64 heads of the
-// warp's 16 candidates: the ReLU-weighted head sum needs no other warp. The products are
-// asynchronous: while tile n's run from one key buffer, the block decodes tile n + 1 into the
-// other (its keys loaded into registers a tile ahead), then waits for them. Each thread finds
-// its own candidates' rows (TileCandidates), so no row table in shared memory orders a load
-// behind a barrier.
-// q and the keys are K-major operands in shared memory (wgmma.h's core-matrix layout, 16 chunks
-// a row): a k-step of 16 is two chunks, 128 bytes apart, and 8-row groups are 2048 bytes apart.
-// The decode's 16-byte stores of 8 consecutive rows fill one 128-byte line: conflict-free.
-namespace wgmma {
-constexpr int kChunks = index_fp4::kDim / 8;       // 16-byte chunks a row
-constexpr int kTileBytes = kMmaRows * kChunks * 16;  // a 64 x 128 bf16 tile
-// q (two queries) and two key buffers.
-constexpr size_t kRegionBytes = 2 * kTileBytes + 2 * kTileBytes;
-}  // namespace wgmma
-
-// The fused kernel's scoring region for `queries` queries a block: wgmma's operands where the
-// paired FP4 scoring runs on wgmma (SM90a code; the host asks PairedWgmmaOnDevice), else
-// RegionBytes.
-DSV4_HD size_t FusedRegionBytes(int64_t i, int64_t j, int queries, bool paired_wgmma) {
-  return queries > 1 && paired_wgmma ? wgmma::kRegionBytes : RegionBytes(i, j, queries);
+// The weighted head sum of each of this lane's two candidates (rows row0 and row0 + 8 of the
+// accumulators) over one query's 64 heads, acc[4 (j0 + j) + 2 r + h] being candidate row0 + 8 r,
+// head 8 j + 2c + h: a lane's 16 heads in four chains of four (one chain of 16 waited for each
+// add's latency), then over the row's four lanes. Returns what lane c emits: row0's sum for
+// c = 0, row0 + 8's for c = 1 (one append to the pool a warp and tile).
+template <int N>
+__device__ __forceinline__ float HeadSums(const float (&acc)[N], int j0, const float (&w_head)[8][2], int c) {
+  float sums[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float chain[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        chain[(2 * j + h) % 4] += w_head[j][h] * fmaxf(acc[4 * (j0 + j) + 2 * r + h], 0.0f);
+      }
+    }
+    sums[r] = (chain[0] + chain[1]) + (chain[2] + chain[3]);
+    sums[r] += __shfl_xor_sync(0xffffffffu, sums[r], 1);
+    sums[r] += __shfl_xor_sync(0xffffffffu, sums[r], 2);
+  }
+  return c == 0 ? sums[0] : sums[1];
 }
 
-template <class Sink>
-__device__ void WgmmaPairScores(const uint16_t* q, const float* w, const TableView& keys, const int32_t* page_table,
-                                int64_t p_n, int64_t epp, const int64_t* ts, int64_t begin, const int64_t* ends,
-                                int64_t end, int64_t i_n, unsigned char* smem, Sink& sink) {
-  using namespace wgmma;
-  using Gmma = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-  // The descriptor of the tile at `tile`; k-step kk reads WgmmaDescriptorAt(it, kk * 2 * 128).
-  auto descriptor = [](const unsigned char* tile) { return WgmmaDescriptor(tile, 128, kChunks * 128); };
-  unsigned char* q_s = smem;  // [2 queries][64 heads][128], core-matrix layout
-  auto key_buffer = [&](int b) { return smem + (2 + b) * kTileBytes; };
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, u = warp / 4, g = lane / 4, c = lane % 4;
-  const int row0 = 16 * (warp % 4) + g;  // this lane's candidates: row0 and row0 + 8 of the tile
-  // This warpgroup's query and its end (selected, not indexed: a dynamic index into the
-  // caller's arrays is a local-memory load).
-  const int64_t t_u = u == 0 ? ts[0] : ts[1], end_u = u == 0 ? ends[0] : ends[1];
-  // Thread quarter_row + 64 quarter loads and decodes quarter `quarter` of the tile's row
-  // quarter_row; the page-table entry of that row's candidate is loaded a tile before its keys.
-  const int quarter_row = threadIdx.x % kMmaRows, quarter = threadIdx.x / kMmaRows;
-  TileCandidates<kMmaRows> candidates(page_table + ts[0] * p_n, epp, begin + quarter_row, end, keys.rows);
-  auto next = candidates.Next();  // tile 0's entry
-  for (int e = threadIdx.x; e < 2 * kMmaRows * kChunks; e += kThreads) {  // all copies in flight at once
-    const int v = e / (kMmaRows * kChunks), r = e / kChunks % kMmaRows, k = e % kChunks;
-    unsigned char* dst = q_s + v * kTileBytes + CoreChunkOffset(r, k, kChunks);
-    if (r < i_n) {
-      CopyAsync16(dst, q + ((v == 0 ? ts[0] : ts[1]) * i_n + r) * index_fp4::kDim + 8 * k);
-    } else {
-      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-    }
-  }
-  // w of heads 8 j + 2c (+ 1), the accumulators' columns (0 for padded heads).
-  float w_head[8][2];
+// Loads w of heads 8 j + 2c (+ 1) of query t, the accumulators' columns (0 for padded heads).
+__device__ __forceinline__ void LoadHeadWeights(const float* w, int64_t t, int64_t i_n, int c, float (&w_head)[8][2]) {
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int head = 8 * j + 2 * c + h;
-      w_head[j][h] = head < i_n ? w[t_u * i_n + head] : 0.0f;
+      w_head[j][h] = head < i_n ? w[t * i_n + head] : 0.0f;
     }
   }
-  Fp4Quarter fp4;  // this thread's quarter row of the next tile
-  auto decode_tile = [&](unsigned char* dst) {
-    uint4 chunks[4];
-    fp4.Decode(chunks);
+}
+
+// One or two queries a warpgroup on SM90 with the keys as wgmma's register operand (RS): a
+// block of one warpgroup scores kQueries queries (two: a request's consecutive tokens, the same
+// page-table row) as S^T = K [Q_0; Q_1]^T, m64n(64 kQueries)k16, its A fragments (the tile's
+// keys) decoded straight from the loaded FP4 bytes into registers, once for all its queries, and
+// q (B) read from shared memory. No decoded tile goes through shared memory (no stores, no
+// fence, no buffer to hand over), so the products read at most half the shared memory of the SS
+// form and a block waits on nothing but its own loads and products; the blocks a multiprocessor
+// runs (wgmma_rs::kBlocksPerSm) are independent, so one's head sums and selection overlap
+// another's products. Two queries a warpgroup (m64n128k16) rather than one (m64n64k16): the
+// decode, the most instructions of a tile, then serves both (measured 2026-12-03: one query a
+// warpgroup, four blocks a multiprocessor, was 24% slower on the 64k chunk than two).
+// The K index is permuted (a dot product does not depend on the order of its terms): lane
+// 4 g + c holds in k-step kk the A fragment's columns 16 kk + 2c, +1, +8, +9, and these are
+// made elements 32 c + 4 kk .. +3 of the stored row (RsLogicalK), so the thread's 32 elements
+// of a row over the 8 k-steps are its quarter c: one 16-byte load and one E8M0 scale, two bytes
+// a k-step. q is stored in shared memory in that order once.
+namespace wgmma_rs {
+constexpr int kThreads = 128;                        // one warpgroup
+constexpr int kQueries = 2;                          // queries a block (paired; see the kernel)
+constexpr int kBlocksPerSm = 3;                      // 168 registers a thread (two queries' 64 accumulators)
+constexpr int kChunks = index_fp4::kDim / 8;         // 16-byte chunks of a q row
+constexpr int kSteps = index_fp4::kDim / 16;         // k-steps a tile
+constexpr size_t kQBytes = kMmaRows * kChunks * 16;  // one query's q: 64 heads x 128 bf16, core-matrix layout
+}  // namespace wgmma_rs
+
+// The wgmma K index of element m (0..127) of a stored index vector in WgmmaRsScores.
+__device__ __forceinline__ int RsLogicalK(int m) {
+  const int quarter = m / index_fp4::kBlock, kk = m % index_fp4::kBlock / 4, i = m % 4;
+  return 16 * kk + 2 * quarter + (i < 2 ? i : i + 6);
+}
+
+template <int kQueries>
+struct RsGmma;  // the CuTe atom of kQueries queries' 64 heads each
+template <>
+struct RsGmma<1> {
+  using Atom = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+};
+template <>
+struct RsGmma<2> {
+  using Atom = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+};
+
+template <int kQueries, class Sink>
+__device__ void WgmmaRsScores(const uint16_t* q, const float* w, const TableView& keys, const int32_t* page_table,
+                              int64_t p_n, int64_t epp, const int64_t* ts, const int64_t* ends, int64_t end,
+                              int64_t i_n, unsigned char* smem, Sink& sink) {
+  constexpr int kSteps = wgmma_rs::kSteps, kChunks = wgmma_rs::kChunks;
+  static_assert(kQueries == 1 || kQueries == 2, "one or two queries a warpgroup");
+  using Gmma = typename RsGmma<kQueries>::Atom;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  // This lane's candidates: rows row0 and row0 + 8 of each tile (the A fragment's and the
+  // accumulators' rows), quarter c of each.
+  const int row0 = 16 * warp + g;
+  const int32_t* pages = page_table + ts[0] * p_n;
+  TileCandidates<kMmaRows> cand0(pages, epp, row0, end, keys.rows), cand1(pages, epp, row0 + 8, end, keys.rows);
+  Fp4Quarter fp4[2];  // this thread's quarters of the next tile's two rows
+  auto next0 = cand0.Next(), next1 = cand1.Next();  // tile 0's entries
+  fp4[0].Load(keys, cand0.Row(next0), c);
+  fp4[1].Load(keys, cand1.Row(next1), c);
+  next0 = cand0.Next(), next1 = cand1.Next();  // tile 1's entries
+  // q in the permuted K order, two elements (4 bytes) at a time; query u's head h is row
+  // 64 u + h of the B operand; padded heads are zeros.
+  constexpr int kPairs = index_fp4::kDim / 2;
+  for (int e = threadIdx.x; e < kQueries * kMmaRows * kPairs; e += wgmma_rs::kThreads) {
+    const int row = e / kPairs, head = row % kMmaRows, pair = e % kPairs, k = RsLogicalK(2 * pair);
+    const int64_t t = row < kMmaRows ? ts[0] : ts[kQueries - 1];
+    const uint32_t v = head < i_n ? reinterpret_cast<const uint32_t*>(q)[(t * i_n + head) * kPairs + pair] : 0u;
+    *reinterpret_cast<uint32_t*>(smem + CoreChunkOffset(row, k / 8, kChunks) + (k % 8) * 2) = v;
+  }
+  float w_head[kQueries][8][2];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      *reinterpret_cast<uint4*>(dst + CoreChunkOffset(quarter_row, 4 * quarter + e, kChunks)) = chunks[e];
-    }
-  };
-  fp4.Load(keys, candidates.Row(next), quarter);  // tile 0's keys, in flight together with q
-  next = candidates.Next();                       // tile 1's entry
-  CopyAsyncCommitAndWaitAll();                    // this thread's q copies landed
-  decode_tile(key_buffer(0));
+  for (int u = 0; u < kQueries; ++u) LoadHeadWeights(w, ts[u], i_n, c, w_head[u]);
   FenceSharedForAsyncProxy();
-  __syncthreads();  // q and the first tile in shared memory
-  if (begin + kMmaRows < end) fp4.Load(keys, candidates.Row(next), quarter);
-  next = candidates.Next();  // tile 2's entry
-  const uint64_t q_u = descriptor(q_s + WarpgroupIndex() * kTileBytes);
-  // Tile n: products from buffer n % 2 issued; while they run, tile n + 1 decoded into the other
-  // buffer from this thread's registers, tile n + 2's keys loaded into them (so that a load has
-  // the rest of a tile, the wait, the scores and the barrier, before its decode) and tile
-  // n + 3's page-table entry loaded; wait; scores emitted; one barrier.
-  for (int64_t base = begin, n = 0; base < end; base += kMmaRows, ++n) {
-    const int b = WarpUniform(static_cast<int>(n % 2));  // (the key descriptors then are too)
-    float acc[32];
-    const uint64_t keys_b = descriptor(key_buffer(b));
+  __syncthreads();  // q in shared memory
+  const uint64_t q_desc = WgmmaDescriptor(smem, 128, kChunks * 128);
+  // Tile n: its keys decoded from registers into the A fragments; tile n + 1's keys loaded (in
+  // flight for the rest of the tile) and tile n + 2's page-table entries; the products issued and
+  // waited for; the scores emitted; the sink's barrier.
+  for (int64_t base = 0; base < end; base += kMmaRows) {
+    // a[kk]: k-step kk's fragment: rows row0 / row0 + 8, elements 4 kk, 4 kk + 1 of the quarter
+    // (byte 2 kk), then 4 kk + 2, 4 kk + 3 (byte 2 kk + 1). Decode gives a word's four bytes'
+    // bf16 pairs in order, a word holding two k-steps.
+    uint32_t a[kSteps][4];
+    {
+      uint4 d0[4], d1[4];
+      fp4[0].Decode(d0);
+      fp4[1].Decode(d1);
+#pragma unroll
+      for (int kk = 0; kk < kSteps; kk += 2) {
+        const uint4 r0 = d0[kk / 2], r1 = d1[kk / 2];
+        a[kk][0] = r0.x, a[kk][1] = r1.x, a[kk][2] = r0.y, a[kk][3] = r1.y;
+        a[kk + 1][0] = r0.z, a[kk + 1][1] = r1.z, a[kk + 1][2] = r0.w, a[kk + 1][3] = r1.w;
+      }
+    }
+    if (base + kMmaRows < end) {
+      fp4[0].Load(keys, cand0.Row(next0), c);
+      fp4[1].Load(keys, cand1.Row(next1), c);
+    }
+    next0 = cand0.Next(), next1 = cand1.Next();
+    float acc[32 * kQueries];
     FenceOperands(acc);
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) FenceOperands(a[kk]);
     cute::warpgroup_arrive();
 #pragma unroll
-    for (int kk = 0; kk < index_fp4::kDim / 16; ++kk) {
-      WgmmaSs<Gmma>(WgmmaDescriptorAt(keys_b, kk * 2 * 128), WgmmaDescriptorAt(q_u, kk * 2 * 128), acc, kk > 0);
+    for (int kk = 0; kk < kSteps; ++kk) {
+      WgmmaRs<Gmma>(a[kk], WgmmaDescriptorAt(q_desc, kk * 2 * 128), acc, kk > 0);
     }
     cute::warpgroup_commit_batch();
-    if (base + kMmaRows < end) {
-      decode_tile(key_buffer(b ^ 1));
-      FenceSharedForAsyncProxy();
-    }
-    if (base + 2 * kMmaRows < end) fp4.Load(keys, candidates.Row(next), quarter);
-    next = candidates.Next();
     cute::warpgroup_wait<0>();
     FenceOperands(acc);
-    // The weighted head sums of candidates row0 and row0 + 8 (acc[4 j + 2 r + h] is candidate
-    // row0 + 8 r, head 8 j + 2c + h): a lane's 16 heads in four chains of four (one chain of 16
-    // waited for each add's latency), then over the row's four lanes. Lane c = 0 emits row0's,
-    // lane c = 1 row0 + 8's: one append to the pool a warp and tile.
-    float sums[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float chain[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          chain[(2 * j + h) % 4] += w_head[j][h] * fmaxf(acc[4 * j + 2 * r + h], 0.0f);
-        }
-      }
-      sums[r] = (chain[0] + chain[1]) + (chain[2] + chain[3]);
-      sums[r] += __shfl_xor_sync(0xffffffffu, sums[r], 1);
-      sums[r] += __shfl_xor_sync(0xffffffffu, sums[r], 2);
-    }
     const int64_t s = base + row0 + 8 * (c & 1);
-    sink.Emit(u, s, c == 0 ? sums[0] : sums[1], c < 2 && s < end_u);
-    sink.Barrier();  // buffer b read (every warpgroup waited); tile n + 1 decoded
+#pragma unroll
+    for (int u = 0; u < kQueries; ++u) {
+      sink.Emit(u, s, HeadSums(acc, 8 * u, w_head[u], c), c < 2 && s < (u == 0 ? ends[0] : ends[kQueries - 1]));
+    }
+    sink.Barrier();
   }
 }
 
@@ -540,10 +570,7 @@ __device__ void Scores(const void* q, Elem q_type, const float* w, const TableVi
                        int64_t j_n, unsigned char* smem, Sink& sink) {
   int64_t end = ends[0];
   for (int u = 1; u < kQueries; ++u) end = max(end, ends[u]);
-  if constexpr (kScorer == Scorer::kMmaIndexFp4 && kQueries == 2 && kWgmmaCompiled) {
-    WgmmaPairScores(static_cast<const uint16_t*>(q), w, keys, page_table, p_n, epp, ts, begin, ends, end, i_n, smem,
-                    sink);
-  } else if constexpr (kScorer != Scorer::kScalar) {
+  if constexpr (kScorer != Scorer::kScalar) {
     MmaScores<kScorer == Scorer::kMmaIndexFp4, kQueries>(static_cast<const uint16_t*>(q), w, keys, page_table, p_n,
                                                          epp, ts, begin, ends, end, i_n, j_n, smem, sink);
   } else {
@@ -614,10 +641,11 @@ __device__ __forceinline__ void RegisterStage(int base, int size, int stride, ui
 }
 
 // Every stage of blocks `first_size` .. `last_size` with stride <= min(32, size / 2), on each
-// warp's segments.
+// warp's segments (kBlock threads).
+template <int kBlock>
 __device__ void RegisterStages(uint64_t* keys, int n_sort, int first_size, int last_size) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int base = warp * kSegment; base < n_sort; base += kWarps * kSegment) {
+  for (int base = warp * kSegment; base < n_sort; base += kBlock / 32 * kSegment) {
     uint64_t key[2] = {keys[base + lane], keys[base + lane + 32]};
     for (int size = first_size; size <= last_size; size <<= 1) {
       for (int stride = min(32, size / 2); stride > 0; stride >>= 1) RegisterStage(base, size, stride, key);
@@ -629,13 +657,14 @@ __device__ void RegisterStages(uint64_t* keys, int n_sort, int first_size, int l
 
 // Sorts keys [0, n_sort) (a power of two >= kSegment) largest first: blocks up to 64 entries
 // wholly in registers, then for each larger block its strides >= 64 in shared memory and the
-// rest in registers.
+// rest in registers (kBlock threads).
+template <int kBlock>
 __device__ void SortKeys(uint64_t* keys, int n_sort) {
-  RegisterStages(keys, n_sort, 2, kSegment);
+  RegisterStages<kBlock>(keys, n_sort, 2, kSegment);
   __syncthreads();
   for (int size = 2 * kSegment; size <= n_sort; size <<= 1) {
     for (int stride = size / 2; stride >= kSegment; stride >>= 1) {
-      for (int e = threadIdx.x; e < n_sort; e += kThreads) {
+      for (int e = threadIdx.x; e < n_sort; e += kBlock) {
         const int partner = e ^ stride;
         if (partner > e) {
           const bool ascending = (e & size) == 0;
@@ -645,7 +674,7 @@ __device__ void SortKeys(uint64_t* keys, int n_sort) {
       }
       __syncthreads();
     }
-    RegisterStages(keys, n_sort, size, size);
+    RegisterStages<kBlock>(keys, n_sort, size, size);
     __syncthreads();
   }
 }
@@ -670,15 +699,20 @@ struct Selection {
   uint64_t bound;         // keys below it never join the pool
 };
 
-// Counts per radix bin -> the bin of the remaining-th largest key: thread b holds bin 255 - b,
-// an inclusive block scan gives the keys in bins at or above it, and the one thread whose bin
-// holds the remaining-th updates the selection state; `settled` when that bin holds exactly
+// Counts per radix bin -> the bin of the remaining-th largest key: thread b holds bins
+// 255 - kBins b .. 255 - kBins b - kBins + 1 (kBins = 256 / kBlock, high to low), an inclusive
+// block scan of their totals gives the keys in bins at or above them, and the one thread whose
+// bin holds the remaining-th updates the selection state; `settled` when that bin holds exactly
 // the keys still wanted (all of them are kept: the lower digits need no pass).
+template <int kBlock>
 __device__ void FindBin(Selection& sel, int shift) {
-  static_assert(kThreads == 256, "one radix bin per thread");
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, bin = 255 - static_cast<int>(threadIdx.x);
-  const uint32_t count = sel.hist[bin];
-  uint32_t at_or_above = count;
+  static_assert(256 % kBlock == 0 && kBlock % 32 == 0, "whole warps, whole bins a thread");
+  constexpr int kBins = 256 / kBlock;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, top = 255 - kBins * static_cast<int>(threadIdx.x);
+  uint32_t count[kBins], total = 0;
+#pragma unroll
+  for (int e = 0; e < kBins; ++e) total += count[e] = sel.hist[top - e];
+  uint32_t at_or_above = total;
   for (int o = 1; o < 32; o <<= 1) {
     const uint32_t v = __shfl_up_sync(0xffffffffu, at_or_above, o);
     if (lane >= o) at_or_above += v;
@@ -686,20 +720,27 @@ __device__ void FindBin(Selection& sel, int shift) {
   if (lane == 31) sel.warp_counts[warp] = at_or_above;
   __syncthreads();
   for (int v = 0; v < warp; ++v) at_or_above += sel.warp_counts[v];
-  const uint32_t want = sel.remaining, above = at_or_above - count;
+  const uint32_t want = sel.remaining;
+  uint32_t above = at_or_above - total;
   __syncthreads();  // every thread has read `remaining` and the warp totals
-  if (above < want && at_or_above >= want) {
-    sel.prefix |= static_cast<uint64_t>(bin) << shift;
-    sel.mask |= uint64_t{0xff} << shift;
-    sel.remaining = want - above;
-    sel.settled = count == want - above;
+#pragma unroll
+  for (int e = 0; e < kBins; ++e) {
+    if (above < want && above + count[e] >= want) {
+      sel.prefix |= static_cast<uint64_t>(top - e) << shift;
+      sel.mask |= uint64_t{0xff} << shift;
+      sel.remaining = want - above;
+      sel.settled = count[e] == want - above;
+    }
+    above += count[e];
   }
 }
 
 // Keeps the kth largest of the distinct keys pool[0, n) (1 <= kth <= n) in pool[0, kth) and
 // raises the bound to them: the radix select leaves `prefix` = the kth largest key's decided
 // digits with zeros below, so exactly the kept keys are >= prefix, and a later key below it
-// is beaten by kth kept ones. Block-wide (every thread calls it, with the same n and kth).
+// is beaten by kth kept ones. Block-wide (every one of the kBlock threads calls it, with the
+// same n and kth).
+template <int kBlock>
 __device__ void KeepLargest(Selection& sel, uint64_t* pool, int n, int kth) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
@@ -710,22 +751,22 @@ __device__ void KeepLargest(Selection& sel, uint64_t* pool, int n, int kth) {
   }
   __syncthreads();
   for (int shift = 56; shift >= 0; shift -= 8) {
-    sel.hist[threadIdx.x] = 0;
+    for (int b = threadIdx.x; b < 256; b += kBlock) sel.hist[b] = 0;
     __syncthreads();
     const uint64_t mask = sel.mask, prefix = sel.prefix;
-    for (int e = threadIdx.x; e < n; e += kThreads) {
+    for (int e = threadIdx.x; e < n; e += kBlock) {
       const uint64_t key = pool[e];
       if ((key & mask) == prefix) atomicAdd(&sel.hist[(key >> shift) & 0xffu], 1u);
     }
     __syncthreads();
-    FindBin(sel, shift);
+    FindBin<kBlock>(sel, shift);
     __syncthreads();
     if (sel.settled) break;  // (read after the barrier: the same at every thread)
   }
   const uint64_t bound = sel.prefix;
-  // Stable in-place compaction (a kept key moves to a lower or the same index), 256 at a time.
+  // Stable in-place compaction (a kept key moves to a lower or the same index), kBlock at a time.
   uint32_t written = 0;
-  for (int base = 0; base < n; base += kThreads) {
+  for (int base = 0; base < n; base += kBlock) {
     const int e = base + static_cast<int>(threadIdx.x);
     const uint64_t key = e < n ? pool[e] : 0;
     const bool keep = e < n && key >= bound;
@@ -733,7 +774,7 @@ __device__ void KeepLargest(Selection& sel, uint64_t* pool, int n, int kth) {
     if (lane == 0) sel.warp_counts[warp] = __popc(ballot);
     __syncthreads();  // this chunk read; its warps' counts visible
     uint32_t before = written, total = 0;
-    for (int v = 0; v < kWarps; ++v) {
+    for (int v = 0; v < kBlock / 32; ++v) {
       if (v < warp) before += sel.warp_counts[v];
       total += sel.warp_counts[v];
     }
@@ -768,7 +809,7 @@ __device__ __forceinline__ void Append(Selection& sel, uint64_t* pool, uint64_t 
 // pool u's count before the barrier, while up to `step` appends of other warps may still be on
 // their way: with the next step's, 3 x step of room suffices. The barrier's count carries
 // which pools are full: lanes 2^u - 1 .. 2^(u+1) - 2 vote for pool u, so it sums 2^u over them.
-template <int kQueries>
+template <int kQueries, int kBlock>
 __device__ __forceinline__ void AfterStep(Selection* sel, uint64_t* pool, int capacity, int k, int step) {
   bool vote = false;
   if (threadIdx.x < 32) {
@@ -783,13 +824,13 @@ __device__ __forceinline__ void AfterStep(Selection* sel, uint64_t* pool, int ca
   const int fulls = __syncthreads_count(vote);
 #pragma unroll
   for (int u = 0; u < kQueries; ++u) {
-    if (fulls >> u & 1) KeepLargest(sel[u], pool + u * capacity, static_cast<int>(sel[u].count), k);
+    if (fulls >> u & 1) KeepLargest<kBlock>(sel[u], pool + u * capacity, static_cast<int>(sel[u].count), k);
   }
 }
 
 // The fused mode's sink: each score joins its query's selection as it is computed (MmaScores
 // emits a tile of kMmaRows a query between barriers, ScalarScores kWarps).
-template <int kQueries>
+template <int kQueries, int kBlock>
 struct PoolSink {
   Selection* sel;
   uint64_t* pool;
@@ -797,15 +838,16 @@ struct PoolSink {
   __device__ void Emit(int u, int64_t s, float score, bool valid) {
     Append(sel[u], pool + u * capacity, SortKey(score, s), valid);
   }
-  __device__ void Barrier() { AfterStep<kQueries>(sel, pool, capacity, k, kMmaRows); }
+  __device__ void Barrier() { AfterStep<kQueries, kBlock>(sel, pool, capacity, k, kMmaRows); }
 };
 
 // Queries ts[0 .. kQueries) (the same page-table row where more than one): their visible
 // candidates' scores, computed here (fused) or read from the scores scratch (scored mode, one
 // query), stream through each query's pool; then each query's kept keys are selected, sorted
-// and written as candidate ids (-1 past the visible ones). Block-wide; `sel` and the pools
-// (from `pool`, PoolCapacity(k_n) each) are the caller's shared memory.
-template <Scorer kScorer, int kQueries>
+// and written as candidate ids (-1 past the visible ones). Block-wide (kBlock threads: the
+// kernel's kThreads, or one warpgroup scoring on WgmmaRsScores); `sel` and the pools (from
+// `pool`, PoolCapacity(k_n) each) are the caller's shared memory.
+template <Scorer kScorer, int kQueries, int kBlock = kThreads>
 __device__ void SelectTopk(const void* q, Elem q_type, const float* w, const TableView& keys,
                            const int32_t* page_table, int64_t p_n, int64_t epp, const int32_t* limit,
                            const float* scores, int32_t* ids, int64_t i_n, int64_t j_n, int64_t k_n, const int64_t* ts,
@@ -827,14 +869,22 @@ __device__ void SelectTopk(const void* q, Elem q_type, const float* w, const Tab
   __syncthreads();
   if (most > 0) {  // (the same at every thread)
     if (!scores) {
-      PoolSink<kQueries> sink{sel, pool, capacity, static_cast<int>(k_n)};
-      Scores<kScorer, kQueries>(q, q_type, w, keys, page_table, p_n, epp, ts, 0, visible, i_n, j_n, smem, sink);
+      PoolSink<kQueries, kBlock> sink{sel, pool, capacity, static_cast<int>(k_n)};
+      if constexpr (kBlock == wgmma_rs::kThreads) {
+        static_assert(kScorer == Scorer::kMmaIndexFp4, "the RS scorer reads the model's FP4 keys");
+        int64_t end = visible[0];
+        for (int u = 1; u < kQueries; ++u) end = max(end, visible[u]);
+        WgmmaRsScores<kQueries>(static_cast<const uint16_t*>(q), w, keys, page_table, p_n, epp, ts, visible, end, i_n,
+                                smem, sink);
+      } else {
+        Scores<kScorer, kQueries>(q, q_type, w, keys, page_table, p_n, epp, ts, 0, visible, i_n, j_n, smem, sink);
+      }
     } else if constexpr (kQueries == 1) {  // scored mode (never paired)
       const float* row = scores + ts[0] * s_n;
-      for (int64_t base = 0; base < visible[0]; base += kThreads) {
+      for (int64_t base = 0; base < visible[0]; base += kBlock) {
         const int64_t s = base + threadIdx.x;
         Append(sel[0], pool, s < visible[0] ? SortKey(row[s], s) : 0, s < visible[0]);
-        AfterStep<1>(sel, pool, capacity, static_cast<int>(k_n), kThreads);
+        AfterStep<1, kBlock>(sel, pool, capacity, static_cast<int>(k_n), kBlock);
       }
     }
     __syncthreads();  // the last appends done
@@ -844,35 +894,59 @@ __device__ void SelectTopk(const void* q, Elem q_type, const float* w, const Tab
     uint64_t* kept_keys = pool + u * capacity;
     if (kept[u] > 0) {  // (the same at every thread)
       const int n = static_cast<int>(sel[u].count);
-      if (n > kept[u]) KeepLargest(sel[u], kept_keys, n, kept[u]);
+      if (n > kept[u]) KeepLargest<kBlock>(sel[u], kept_keys, n, kept[u]);
       // Bitonic sort of the kept keys, padded to a power of two (at least one warp segment)
       // with zeros, which sort last.
       const int n_sort = SortLength(kept[u]);
-      for (int e = kept[u] + threadIdx.x; e < n_sort; e += kThreads) kept_keys[e] = 0;
+      for (int e = kept[u] + threadIdx.x; e < n_sort; e += kBlock) kept_keys[e] = 0;
       __syncthreads();
-      SortKeys(kept_keys, n_sort);
+      SortKeys<kBlock>(kept_keys, n_sort);
     }
-    for (int64_t k = threadIdx.x; k < k_n; k += kThreads) {
+    for (int64_t k = threadIdx.x; k < k_n; k += kBlock) {
       ids[ts[u] * k_n + k] = k < kept[u] ? CandidateOf(kept_keys[k]) : -1;
     }
   }
 }
 
 // Whether queries t0 and t1 have the same page-table row over their first `pages` pages.
-// Block-wide.
+// Block-wide (kBlock threads).
+template <int kBlock = kThreads>
 __device__ bool SamePages(const int32_t* page_table, int64_t p_n, int64_t t0, int64_t t1, int64_t pages) {
   bool same = true;
-  for (int64_t p = threadIdx.x; p < pages; p += kThreads) same &= page_table[t0 * p_n + p] == page_table[t1 * p_n + p];
+  for (int64_t p = threadIdx.x; p < pages; p += kBlock) same &= page_table[t0 * p_n + p] == page_table[t1 * p_n + p];
   return __syncthreads_and(same);
+}
+
+// Selects queries ts[0] and ts[1] (the second only if below t_n): both at once by
+// select(std::integral_constant<int, 2>, ts) when their page-table rows agree over what they see
+// (a request's consecutive chunk tokens), else one after the other by
+// select(std::integral_constant<int, 1>, &ts[u]). Block-wide (kBlock threads).
+template <int kBlock, class Select>
+__device__ void SelectPairOrEach(const TableView& keys, const int32_t* page_table, int64_t p_n, int64_t epp,
+                                 const int32_t* limit, int64_t t_n, const int64_t (&ts)[2], Select select) {
+  bool paired = false;
+  if (ts[1] < t_n) {  // (the same at every thread)
+    const int64_t s_n = p_n * epp;
+    const int64_t seen = max(VisibleCandidates(keys, limit, ts[0], s_n), VisibleCandidates(keys, limit, ts[1], s_n));
+    paired = SamePages<kBlock>(page_table, p_n, ts[0], ts[1], (seen + epp - 1) / epp);
+  }
+  if (paired) {
+    select(std::integral_constant<int, 2>{}, ts);
+  } else {
+    for (int u = 0; u < 2 && ts[u] < t_n; ++u) {
+      if (u > 0) __syncthreads();  // the first query's ids read from its pool
+      select(std::integral_constant<int, 1>{}, &ts[u]);
+    }
+  }
 }
 
 // The selection kernel: block b selects queries kQueries b .. +kQueries (SelectTopk). Paired
 // (kQueries = 2, fused FP4 scoring on a long chunk; see the launch): two queries with the same
 // page-table row over what they see (a request's consecutive chunk tokens) are scored together,
 // each decoded key tile serving both; otherwise they run one after the other. Its shared
-// memory for FP4 keys and k = 512 (~50 KB fused, ~63 KB paired on mma.sync, ~89 KB paired on
-// wgmma); registers are capped so that TopkBlocksPerSm blocks share a multiprocessor (three
-// with FP4 keys: 80 registers; two paired: 128).
+// memory for FP4 keys and k = 512 (~50 KB fused, ~63 KB paired on mma.sync); registers are
+// capped so that TopkBlocksPerSm blocks share a multiprocessor (three with FP4 keys: 80
+// registers; two paired: 128). (On SM90 the fused FP4 calls run IndexerTopkRsKernel instead.)
 constexpr int TopkBlocksPerSm(Scorer s, int queries) {
   return queries > 1 ? 2 : s == Scorer::kScalar ? 4 : s == Scorer::kMmaIndexFp4 ? 3 : 2;
 }
@@ -883,30 +957,50 @@ __global__ void __launch_bounds__(kThreads, TopkBlocksPerSm(kScorer, kQueries))
                       int64_t i_n, int64_t j_n, int64_t k_n) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ Selection sel[kQueries];
-  const size_t region = scores ? 0 : FusedRegionBytes(i_n, j_n, kQueries, kWgmmaCompiled);
+  const size_t region = scores ? 0 : RegionBytes(i_n, j_n, kQueries);
   auto* pool = reinterpret_cast<uint64_t*>(smem + region);
   const int64_t t0 = kQueries * static_cast<int64_t>(blockIdx.x);
+  auto select = [&](auto queries, const int64_t* ts) {
+    SelectTopk<kScorer, decltype(queries)::value>(q, q_type, w, keys, page_table, p_n, epp, limit, scores, ids, i_n,
+                                                  j_n, k_n, ts, smem, sel, pool);
+  };
   if constexpr (kQueries == 1) {
-    SelectTopk<kScorer, 1>(q, q_type, w, keys, page_table, p_n, epp, limit, scores, ids, i_n, j_n, k_n, &t0, smem,
-                           sel, pool);
+    select(std::integral_constant<int, 1>{}, &t0);
   } else {
     static_assert(kQueries == 2, "queries are paired");
-    const int64_t ts[2] = {t0, t0 + 1}, s_n = p_n * epp;
-    bool paired = false;
-    if (ts[1] < t_n) {  // (the same at every thread)
-      const int64_t seen = max(VisibleCandidates(keys, limit, ts[0], s_n), VisibleCandidates(keys, limit, ts[1], s_n));
-      paired = SamePages(page_table, p_n, ts[0], ts[1], (seen + epp - 1) / epp);
-    }
-    if (paired) {
-      SelectTopk<kScorer, 2>(q, q_type, w, keys, page_table, p_n, epp, limit, scores, ids, i_n, j_n, k_n, ts, smem,
-                             sel, pool);
+    SelectPairOrEach<kThreads>(keys, page_table, p_n, epp, limit, t_n, {t0, t0 + 1}, select);
+  }
+}
+
+// The fused kernel of WgmmaRsScores (SM90a code; the host launches it only on SM90), one
+// warpgroup a block. Paired: block b selects queries 2b and 2b + 1; two queries with the same
+// page-table row over what they see (a request's consecutive chunk tokens) are scored together,
+// each decoded key tile serving both; otherwise they run one after the other. Unpaired: block b
+// selects query b. Its shared memory holds q (wgmma_rs::kQBytes a query) and the pools (paired,
+// k = 512: 56 KB; k = 2048: 80 KB).
+__global__ void __launch_bounds__(wgmma_rs::kThreads, wgmma_rs::kBlocksPerSm)
+    IndexerTopkRsKernel(const void* q, const float* w, TableView keys, const int32_t* page_table, int64_t p_n,
+                        int64_t epp, const int32_t* limit, int32_t* ids, int64_t t_n, int64_t i_n, int64_t k_n,
+                        bool paired_blocks) {
+  if constexpr (kWgmmaCompiled) {
+    constexpr int kBlock = wgmma_rs::kThreads;
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ Selection sel[wgmma_rs::kQueries];
+    auto* pool = reinterpret_cast<uint64_t*>(smem + wgmma_rs::kQueries * wgmma_rs::kQBytes);
+    auto select = [&](auto queries, const int64_t* ts) {
+      SelectTopk<Scorer::kMmaIndexFp4, decltype(queries)::value, kBlock>(
+          q, Elem::kBf16, w, keys, page_table, p_n, epp, limit, nullptr, ids, i_n, index_fp4::kDim, k_n, ts, smem,
+          sel, pool);
+    };
+    if (paired_blocks) {
+      const int64_t t0 = 2 * static_cast<int64_t>(blockIdx.x);
+      SelectPairOrEach<kBlock>(keys, page_table, p_n, epp, limit, t_n, {t0, t0 + 1}, select);
     } else {
-      for (int u = 0; u < 2 && ts[u] < t_n; ++u) {
-        if (u > 0) __syncthreads();  // the first query's ids read from its pool
-        SelectTopk<kScorer, 1>(q, q_type, w, keys, page_table, p_n, epp, limit, scores, ids, i_n, j_n, k_n, &ts[u],
-                               smem, sel, pool);
-      }
+      const int64_t t = blockIdx.x;
+      select(std::integral_constant<int, 1>{}, &t);
     }
+  } else {
+    __trap();  // (no wgmma in this compilation; the host never launches it here)
   }
 }
 
@@ -932,9 +1026,9 @@ constexpr decltype(&IndexerTopkKernel<Scorer::kScalar, 1>) kTopkKernels[] = {
     IndexerTopkKernel<Scorer::kMmaIndexFp4, 1>};
 constexpr auto kPairedTopkKernel = IndexerTopkKernel<Scorer::kMmaIndexFp4, kMaxPairedQueries>;
 
-// Whether the current device runs the paired kernel's SM90a code (kWgmmaCompiled there): compute
-// capability 9 (the build's 90a; an SM120 device runs its 120a code).
-bool PairedWgmmaOnDevice() {
+// Whether the current device runs the SM90a code (kWgmmaCompiled there): compute capability 9
+// (the build's 90a; an SM120 device runs its 120a code).
+bool WgmmaOnDevice() {
   int device = 0, major = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
@@ -977,16 +1071,31 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
         scores->typed_data(), ids->typed_data(), a.t, a.i, a.j, a.k);
     return LastCudaError("IndexerTopkKernel");
   }
-  // Fused. Paired (FP4 keys) when the pairs alone give every multiprocessor its resident
+  // Fused. Paired (FP4 keys) when the pairs alone give every multiprocessor at least two
   // blocks: with fewer queries, one query a block finishes sooner.
-  const bool paired = scorer == Scorer::kMmaIndexFp4 &&
-                      a.t >= kMaxPairedQueries * TopkBlocksPerSm(scorer, kMaxPairedQueries) * sms;
+  const bool paired = scorer == Scorer::kMmaIndexFp4 && a.t >= kMaxPairedQueries * 2 * sms;
+  // On SM90 the model's FP4 keys are scored on wgmma with the keys in registers (WgmmaRsScores).
+  static const bool wgmma = WgmmaOnDevice();
+  if (scorer == Scorer::kMmaIndexFp4 && wgmma) {
+    static const cudaError_t attr =
+        cudaFuncSetAttribute(IndexerTopkRsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             wgmma_rs::kQueries * (wgmma_rs::kQBytes + PoolBytes(kMaxTopk)));
+    if (attr != cudaSuccess) {
+      return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr));
+    }
+    const int queries = paired ? wgmma_rs::kQueries : 1;
+    const int64_t blocks = (a.t + queries - 1) / queries;
+    IndexerTopkRsKernel<<<static_cast<unsigned>(blocks), wgmma_rs::kThreads,
+                          queries * (wgmma_rs::kQBytes + PoolBytes(a.k)), stream>>>(
+        q.untyped_data(), w.typed_data(), a.keys, page_table.typed_data(), a.p, a.epp, limit.typed_data(),
+        ids->typed_data(), a.t, a.i, a.k, paired);
+    return LastCudaError("IndexerTopkRsKernel");
+  }
   const int queries = paired ? kMaxPairedQueries : 1;
   auto* kernel = paired ? kPairedTopkKernel : kTopkKernels[kernel_index];
   // Once per process and kernel: allow its largest shared memory (above the 48 KB default).
-  static const bool paired_wgmma = PairedWgmmaOnDevice();
   static const size_t most = kMaxSmemBytes + PoolBytes(kMaxTopk),
-                      most_paired = FusedRegionBytes(64, index_fp4::kDim, kMaxPairedQueries, paired_wgmma) +
+                      most_paired = RegionBytes(64, index_fp4::kDim, kMaxPairedQueries) +
                                     kMaxPairedQueries * PoolBytes(kMaxTopk);
   static const cudaError_t attr[4] = {
       cudaFuncSetAttribute(kTopkKernels[0], cudaFuncAttributeMaxDynamicSharedMemorySize, most),
@@ -997,7 +1106,7 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
     return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(e));
   }
   const int64_t blocks = (a.t + queries - 1) / queries;
-  const size_t smem = FusedRegionBytes(a.i, a.j, queries, paired_wgmma) + queries * PoolBytes(a.k);
+  const size_t smem = RegionBytes(a.i, a.j, queries) + queries * PoolBytes(a.k);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(q.untyped_data(), a.q_type, w.typed_data(),
                                                                    a.keys, page_table.typed_data(), a.p, a.epp,
                                                                    limit.typed_data(), nullptr, ids->typed_data(), a.t,
