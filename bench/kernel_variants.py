@@ -10,7 +10,8 @@ name) with its patch applied (`git apply --directory`), configured and built by 
 patch, and base again: its libraries are copied into `ffi_kernels/` (`PYTHONPATH` cannot
 select them: `python -m` puts the working directory first on `sys.path`), the `--tests`
 subset of `tests/test_ffi_kernels.py` runs once per variant (`--untested-base`: the patched
-ones only; a variant that fails is not benchmarked), and `bench.ffi_bench --timing profile`
+ones only; `--untested-diagnostics`: none whose name contains "diag"; a variant that fails is
+not benchmarked), and `bench.ffi_bench --timing profile`
 measures `--ops`. Printed: each case's time per variant and its ratio to base (the mean of
 base's two runs, which bracket the others so that drift shows). With `--ncu REGEX`, each
 variant's first launch of a kernel matching REGEX in an `--ncu-prefill` chunk is then
@@ -143,6 +144,9 @@ def main() -> None:
     ap.add_argument("--tests", default="", help="pytest -k expression run on each variant before its benchmark")
     ap.add_argument("--untested-base", action="store_true",
                     help="run --tests on the patched variants only (the working tree's kernels passed them already)")
+    ap.add_argument("--untested-diagnostics", action="store_true",
+                    help="run --tests on no patch whose file name contains 'diag' (diagnostic builds, wrong on "
+                         "purpose), so that they are benchmarked beside tested variants in one run")
     ap.add_argument("--test-workers", type=int, default=0, help="pytest-xdist workers (0: none)")
     ap.add_argument("--test-timeout", type=int, default=300)
     ap.add_argument("--bench-timeout", type=int, default=300)
@@ -189,7 +193,8 @@ def main() -> None:
                 continue
             use(homes[name] / "ffi_kernels")
             first_run = k < len(names)
-            tested = args.tests and not (name == "base" and args.untested_base)
+            tested = args.tests and not (name == "base" and args.untested_base) and not (
+                args.untested_diagnostics and "diag" in name)
             if first_run and tested and not run_tests(args.tests, args.test_workers, args.test_timeout):
                 log(f"{name}: tests failed, not benchmarked")
                 failing.add(name)

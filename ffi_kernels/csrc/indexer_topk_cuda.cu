@@ -986,7 +986,8 @@ __global__ void __launch_bounds__(wgmma_rs::kThreads, wgmma_rs::kBlocksPerSm)
     constexpr int kBlock = wgmma_rs::kThreads;
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ Selection sel[wgmma_rs::kQueries];
-    auto* pool = reinterpret_cast<uint64_t*>(smem + wgmma_rs::kQueries * wgmma_rs::kQBytes);
+    // (q of one query a block unpaired, two paired: the launch's shared memory.)
+    auto* pool = reinterpret_cast<uint64_t*>(smem + (paired_blocks ? wgmma_rs::kQueries : 1) * wgmma_rs::kQBytes);
     auto select = [&](auto queries, const int64_t* ts) {
       SelectTopk<Scorer::kMmaIndexFp4, decltype(queries)::value, kBlock>(
           q, Elem::kBf16, w, keys, page_table, p_n, epp, limit, nullptr, ids, i_n, index_fp4::kDim, k_n, ts, smem,
