@@ -55,8 +55,10 @@ constexpr int kMmaGroups = kMmaRows / 16;  // head groups of 16 (the mma's M)
 constexpr int kPad = 8;                    // bf16 row padding: conflict-free ldmatrix rows
 
 // How a kernel scores: f32 FMA, tensor cores on any key layout, or tensor cores on the model's
-// FP4 index keys (ScorerFor: constant-offset loads and a branch-free decode).
-enum class Scorer { kScalar, kMma, kMmaIndexFp4 };
+// FP4 index keys (ScorerFor: constant-offset loads and a branch-free decode); on SM90 the fused
+// kernel scores those keys on wgmma from registers (kWgmmaRsIndexFp4, WgmmaRsScores: only
+// IndexerTopkRsKernel uses it, never ScorerFor).
+enum class Scorer { kScalar, kMma, kMmaIndexFp4, kWgmmaRsIndexFp4 };
 
 // The model's stored index key (INDEX_FP4 at FLASH dims): 128 e2m1 codes packed two a byte,
 // one E8M0 scale per 32.
@@ -431,6 +433,11 @@ constexpr int kSteps = index_fp4::kDim / 16;         // k-steps a tile
 constexpr size_t kQBytes = kMmaRows * kChunks * 16;  // one query's q: 64 heads x 128 bf16, core-matrix layout
 }  // namespace wgmma_rs
 
+// Dynamic shared memory of IndexerTopkRsKernel with `queries` queries a block: q, then the pools.
+DSV4_HD constexpr size_t RsSharedBytes(int queries, int64_t k) {
+  return queries * (wgmma_rs::kQBytes + PoolBytes(k));
+}
+
 // The wgmma K index of element m (0..127) of a stored index vector in WgmmaRsScores.
 __device__ __forceinline__ int RsLogicalK(int m) {
   const int quarter = m / index_fp4::kBlock, kk = m % index_fp4::kBlock / 4, i = m % 4;
@@ -448,10 +455,11 @@ struct RsGmma<2> {
   using Atom = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
 };
 
+// Scores of candidates [begin, ends[u]) of queries ts[] into `sink` (one warpgroup, 128 threads).
 template <int kQueries, class Sink>
 __device__ void WgmmaRsScores(const uint16_t* q, const float* w, const TableView& keys, const int32_t* page_table,
-                              int64_t p_n, int64_t epp, const int64_t* ts, const int64_t* ends, int64_t end,
-                              int64_t i_n, unsigned char* smem, Sink& sink) {
+                              int64_t p_n, int64_t epp, const int64_t* ts, int64_t begin, const int64_t* ends,
+                              int64_t end, int64_t i_n, unsigned char* smem, Sink& sink) {
   constexpr int kSteps = wgmma_rs::kSteps, kChunks = wgmma_rs::kChunks;
   static_assert(kQueries == 1 || kQueries == 2, "one or two queries a warpgroup");
   using Gmma = typename RsGmma<kQueries>::Atom;
@@ -460,7 +468,8 @@ __device__ void WgmmaRsScores(const uint16_t* q, const float* w, const TableView
   // accumulators' rows), quarter c of each.
   const int row0 = 16 * warp + g;
   const int32_t* pages = page_table + ts[0] * p_n;
-  TileCandidates<kMmaRows> cand0(pages, epp, row0, end, keys.rows), cand1(pages, epp, row0 + 8, end, keys.rows);
+  TileCandidates<kMmaRows> cand0(pages, epp, begin + row0, end, keys.rows),
+      cand1(pages, epp, begin + row0 + 8, end, keys.rows);
   Fp4Quarter fp4[2];  // this thread's quarters of the next tile's two rows
   auto next0 = cand0.Next(), next1 = cand1.Next();  // tile 0's entries
   fp4[0].Load(keys, cand0.Row(next0), c);
@@ -484,7 +493,7 @@ __device__ void WgmmaRsScores(const uint16_t* q, const float* w, const TableView
   // Tile n: its keys decoded from registers into the A fragments; tile n + 1's keys loaded (in
   // flight for the rest of the tile) and tile n + 2's page-table entries; the products issued and
   // waited for; the scores emitted; the sink's barrier.
-  for (int64_t base = 0; base < end; base += kMmaRows) {
+  for (int64_t base = begin; base < end; base += kMmaRows) {
     // a[kk]: k-step kk's fragment: rows row0 / row0 + 8, elements 4 kk, 4 kk + 1 of the quarter
     // (byte 2 kk), then 4 kk + 2, 4 kk + 3 (byte 2 kk + 1). Decode gives a word's four bytes'
     // bf16 pairs in order, a word holding two k-steps.
@@ -570,7 +579,10 @@ __device__ void Scores(const void* q, Elem q_type, const float* w, const TableVi
                        int64_t j_n, unsigned char* smem, Sink& sink) {
   int64_t end = ends[0];
   for (int u = 1; u < kQueries; ++u) end = max(end, ends[u]);
-  if constexpr (kScorer != Scorer::kScalar) {
+  if constexpr (kScorer == Scorer::kWgmmaRsIndexFp4) {
+    WgmmaRsScores<kQueries>(static_cast<const uint16_t*>(q), w, keys, page_table, p_n, epp, ts, begin, ends, end, i_n,
+                            smem, sink);
+  } else if constexpr (kScorer != Scorer::kScalar) {
     MmaScores<kScorer == Scorer::kMmaIndexFp4, kQueries>(static_cast<const uint16_t*>(q), w, keys, page_table, p_n,
                                                          epp, ts, begin, ends, end, i_n, j_n, smem, sink);
   } else {
@@ -845,7 +857,7 @@ struct PoolSink {
 // candidates' scores, computed here (fused) or read from the scores scratch (scored mode, one
 // query), stream through each query's pool; then each query's kept keys are selected, sorted
 // and written as candidate ids (-1 past the visible ones). Block-wide (kBlock threads: the
-// kernel's kThreads, or one warpgroup scoring on WgmmaRsScores); `sel` and the pools (from
+// kernel's kThreads, or the one warpgroup of kWgmmaRsIndexFp4); `sel` and the pools (from
 // `pool`, PoolCapacity(k_n) each) are the caller's shared memory.
 template <Scorer kScorer, int kQueries, int kBlock = kThreads>
 __device__ void SelectTopk(const void* q, Elem q_type, const float* w, const TableView& keys,
@@ -870,15 +882,7 @@ __device__ void SelectTopk(const void* q, Elem q_type, const float* w, const Tab
   if (most > 0) {  // (the same at every thread)
     if (!scores) {
       PoolSink<kQueries, kBlock> sink{sel, pool, capacity, static_cast<int>(k_n)};
-      if constexpr (kBlock == wgmma_rs::kThreads) {
-        static_assert(kScorer == Scorer::kMmaIndexFp4, "the RS scorer reads the model's FP4 keys");
-        int64_t end = visible[0];
-        for (int u = 1; u < kQueries; ++u) end = max(end, visible[u]);
-        WgmmaRsScores<kQueries>(static_cast<const uint16_t*>(q), w, keys, page_table, p_n, epp, ts, visible, end, i_n,
-                                smem, sink);
-      } else {
-        Scores<kScorer, kQueries>(q, q_type, w, keys, page_table, p_n, epp, ts, 0, visible, i_n, j_n, smem, sink);
-      }
+      Scores<kScorer, kQueries>(q, q_type, w, keys, page_table, p_n, epp, ts, 0, visible, i_n, j_n, smem, sink);
     } else if constexpr (kQueries == 1) {  // scored mode (never paired)
       const float* row = scores + ts[0] * s_n;
       for (int64_t base = 0; base < visible[0]; base += kBlock) {
@@ -989,7 +993,7 @@ __global__ void __launch_bounds__(wgmma_rs::kThreads, wgmma_rs::kBlocksPerSm)
     // (q of one query a block unpaired, two paired: the launch's shared memory.)
     auto* pool = reinterpret_cast<uint64_t*>(smem + (paired_blocks ? wgmma_rs::kQueries : 1) * wgmma_rs::kQBytes);
     auto select = [&](auto queries, const int64_t* ts) {
-      SelectTopk<Scorer::kMmaIndexFp4, decltype(queries)::value, kBlock>(
+      SelectTopk<Scorer::kWgmmaRsIndexFp4, decltype(queries)::value, kBlock>(
           q, Elem::kBf16, w, keys, page_table, p_n, epp, limit, nullptr, ids, i_n, index_fp4::kDim, k_n, ts, smem,
           sel, pool);
     };
@@ -1072,22 +1076,24 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
         scores->typed_data(), ids->typed_data(), a.t, a.i, a.j, a.k);
     return LastCudaError("IndexerTopkKernel");
   }
-  // Fused. Paired (FP4 keys) when the pairs alone give every multiprocessor at least two
-  // blocks: with fewer queries, one query a block finishes sooner.
-  const bool paired = scorer == Scorer::kMmaIndexFp4 && a.t >= kMaxPairedQueries * 2 * sms;
+  // Fused. Paired (FP4 keys) when the pairs alone give every multiprocessor its resident
+  // blocks of the mma.sync pair kernel (the RS kernel's threshold too): with fewer queries, one
+  // query a block finishes sooner.
+  const bool paired = scorer == Scorer::kMmaIndexFp4 &&
+                      a.t >= kMaxPairedQueries * TopkBlocksPerSm(scorer, kMaxPairedQueries) * sms;
   // On SM90 the model's FP4 keys are scored on wgmma with the keys in registers (WgmmaRsScores).
   static const bool wgmma = WgmmaOnDevice();
   if (scorer == Scorer::kMmaIndexFp4 && wgmma) {
     static const cudaError_t attr =
         cudaFuncSetAttribute(IndexerTopkRsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             wgmma_rs::kQueries * (wgmma_rs::kQBytes + PoolBytes(kMaxTopk)));
+                             RsSharedBytes(wgmma_rs::kQueries, kMaxTopk));
     if (attr != cudaSuccess) {
       return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr));
     }
     const int queries = paired ? wgmma_rs::kQueries : 1;
     const int64_t blocks = (a.t + queries - 1) / queries;
-    IndexerTopkRsKernel<<<static_cast<unsigned>(blocks), wgmma_rs::kThreads,
-                          queries * (wgmma_rs::kQBytes + PoolBytes(a.k)), stream>>>(
+    IndexerTopkRsKernel<<<static_cast<unsigned>(blocks), wgmma_rs::kThreads, RsSharedBytes(queries, a.k),
+                          stream>>>(
         q.untyped_data(), w.typed_data(), a.keys, page_table.typed_data(), a.p, a.epp, limit.typed_data(),
         ids->typed_data(), a.t, a.i, a.k, paired);
     return LastCudaError("IndexerTopkRsKernel");
