@@ -84,8 +84,10 @@ DSV4_HD size_t RegionBytes(int64_t i, int64_t j, int queries = 1) {
 // join before the next compaction (a compaction keeps k; see AfterStep for how close to full
 // the pool may get). At least the sorted length of k entries (SortLength(k) <= k + 1024).
 constexpr int64_t kPoolSlack = 1024;
-DSV4_HD constexpr int64_t PoolCapacity(int64_t k) { return k + kPoolSlack; }
-DSV4_HD constexpr size_t PoolBytes(int64_t k) { return static_cast<size_t>(PoolCapacity(k)) * sizeof(uint64_t); }
+DSV4_HD constexpr int64_t PoolCapacity(int64_t k, int64_t slack = kPoolSlack) { return k + slack; }
+DSV4_HD constexpr size_t PoolBytes(int64_t k, int64_t slack = kPoolSlack) {
+  return static_cast<size_t>(PoolCapacity(k, slack)) * sizeof(uint64_t);
+}
 // Queries a fused block may score together (they share each decoded key tile; see
 // IndexerTopkKernel), each with its own pool.
 constexpr int kMaxPairedQueries = 2;
@@ -145,6 +147,15 @@ struct TileCandidates {
   __device__ __forceinline__ int64_t Row(const Pending& p) const {
     return p.valid ? RowInPage(p.entry, epp, p.offset, rows) : -1;
   }
+  // Row() in 32-bit arithmetic, for tables with rows + 2 epp < 2^31 (the caller's check): the
+  // entry is first clipped to the page past the table's last row, so that entry x epp + offset
+  // cannot overflow and still clips to the last row.
+  __device__ __forceinline__ int32_t Row32(const Pending& p) const {
+    const int32_t last = static_cast<int32_t>(rows) - 1;
+    const int32_t entry = min(p.entry, last / epp + 1);
+    const int32_t row = p.entry >= 0 ? min(entry * epp + p.offset, last) : last;
+    return p.valid ? row : -1;
+  }
 };
 
 // The candidates query t may see: its causal limit, clipped to [0, S] (none without keys).
@@ -166,6 +177,16 @@ struct Fp4Quarter {
       codes = *reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(keys.values) +
                                               row * index_fp4::kBytes + 16 * quarter);
       scale = keys.scales[row * index_fp4::kQuarters + quarter];
+    }
+  }
+  // Load's bytes from `values_q` (the table's values + 16 quarter) and `scales_q` (its scales +
+  // quarter) for a 32-bit row: one wide multiply-add an address.
+  __device__ __forceinline__ void Load32(const unsigned char* values_q, const uint8_t* scales_q, int32_t row) {
+    codes = make_uint4(0, 0, 0, 0);  // decodes to zeros
+    scale = 127;
+    if (row >= 0) {
+      codes = *reinterpret_cast<const uint4*>(values_q + static_cast<uint32_t>(row) * uint64_t{index_fp4::kBytes});
+      scale = scales_q[static_cast<uint32_t>(row) * uint64_t{index_fp4::kQuarters}];
     }
   }
   __device__ __forceinline__ void Decode(uint4 (&out)[4]) const {
@@ -427,7 +448,8 @@ __device__ __forceinline__ void LoadHeadWeights(const float* w, int64_t t, int64
 namespace wgmma_rs {
 constexpr int kThreads = 128;                        // one warpgroup
 constexpr int kQueries = 2;                          // queries a block (paired; see the kernel)
-constexpr int kBlocksPerSm = 3;                      // 168 registers a thread (two queries' 64 accumulators)
+constexpr int kBlocksPerSm = 4;                      // 128 registers a thread (w in shared memory)
+constexpr int kPoolSlack = 768;                      // four blocks' shared memory at k = 512
 constexpr int kChunks = index_fp4::kDim / 8;         // 16-byte chunks of a q row
 constexpr int kSteps = index_fp4::kDim / 16;         // k-steps a tile
 constexpr size_t kQBytes = kMmaRows * kChunks * 16;  // one query's q: 64 heads x 128 bf16, core-matrix layout
@@ -435,7 +457,7 @@ constexpr size_t kQBytes = kMmaRows * kChunks * 16;  // one query's q: 64 heads 
 
 // Dynamic shared memory of IndexerTopkRsKernel with `queries` queries a block: q, then the pools.
 DSV4_HD constexpr size_t RsSharedBytes(int queries, int64_t k) {
-  return queries * (wgmma_rs::kQBytes + PoolBytes(k));
+  return queries * (wgmma_rs::kQBytes + PoolBytes(k, wgmma_rs::kPoolSlack));
 }
 
 // The wgmma K index of element m (0..127) of a stored index vector in WgmmaRsScores.
@@ -472,8 +494,11 @@ __device__ void WgmmaRsScores(const uint16_t* q, const float* w, const TableView
       cand1(pages, epp, begin + row0 + 8, end, keys.rows);
   Fp4Quarter fp4[2];  // this thread's quarters of the next tile's two rows
   auto next0 = cand0.Next(), next1 = cand1.Next();  // tile 0's entries
-  fp4[0].Load(keys, cand0.Row(next0), c);
-  fp4[1].Load(keys, cand1.Row(next1), c);
+  // (32-bit rows: the host launches this only for tables with rows + 2 epp < 2^31.)
+  const unsigned char* values_q = static_cast<const unsigned char*>(keys.values) + 16 * c;
+  const uint8_t* scales_q = keys.scales + c;
+  fp4[0].Load32(values_q, scales_q, cand0.Row32(next0));
+  fp4[1].Load32(values_q, scales_q, cand1.Row32(next1));
   next0 = cand0.Next(), next1 = cand1.Next();  // tile 1's entries
   // q in the permuted K order, two elements (4 bytes) at a time; query u's head h is row
   // 64 u + h of the B operand; padded heads are zeros.
@@ -484,9 +509,13 @@ __device__ void WgmmaRsScores(const uint16_t* q, const float* w, const TableView
     const uint32_t v = head < i_n ? reinterpret_cast<const uint32_t*>(q)[(t * i_n + head) * kPairs + pair] : 0u;
     *reinterpret_cast<uint32_t*>(smem + CoreChunkOffset(row, k / 8, kChunks) + (k % 8) * 2) = v;
   }
-  float w_head[kQueries][8][2];
-#pragma unroll
-  for (int u = 0; u < kQueries; ++u) LoadHeadWeights(w, ts[u], i_n, c, w_head[u]);
+  // w of each query's 64 heads (0 for padded ones) in shared memory: its 32 registers a thread
+  // let four blocks share a multiprocessor.
+  __shared__ float w_s[kQueries][kMmaRows];
+  if (threadIdx.x < kQueries * kMmaRows) {
+    const int u = threadIdx.x / kMmaRows, head = threadIdx.x % kMmaRows;
+    w_s[u][head] = head < i_n ? w[(u == 0 ? ts[0] : ts[kQueries - 1]) * i_n + head] : 0.0f;
+  }
   FenceSharedForAsyncProxy();
   __syncthreads();  // q in shared memory
   const uint64_t q_desc = WgmmaDescriptor(smem, 128, kChunks * 128);
@@ -510,8 +539,8 @@ __device__ void WgmmaRsScores(const uint16_t* q, const float* w, const TableView
       }
     }
     if (base + kMmaRows < end) {
-      fp4[0].Load(keys, cand0.Row(next0), c);
-      fp4[1].Load(keys, cand1.Row(next1), c);
+      fp4[0].Load32(values_q, scales_q, cand0.Row32(next0));
+      fp4[1].Load32(values_q, scales_q, cand1.Row32(next1));
     }
     next0 = cand0.Next(), next1 = cand1.Next();
     float acc[32 * kQueries];
@@ -529,7 +558,13 @@ __device__ void WgmmaRsScores(const uint16_t* q, const float* w, const TableView
     const int64_t s = base + row0 + 8 * (c & 1);
 #pragma unroll
     for (int u = 0; u < kQueries; ++u) {
-      sink.Emit(u, s, HeadSums(acc, 8 * u, w_head[u], c), c < 2 && s < (u == 0 ? ends[0] : ends[kQueries - 1]));
+      float w_head[8][2];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float2 pair = *reinterpret_cast<const float2*>(&w_s[u][8 * j + 2 * c]);
+        w_head[j][0] = pair.x, w_head[j][1] = pair.y;
+      }
+      sink.Emit(u, s, HeadSums(acc, 8 * u, w_head, c), c < 2 && s < (u == 0 ? ends[0] : ends[kQueries - 1]));
     }
     sink.Barrier();
   }
@@ -859,13 +894,13 @@ struct PoolSink {
 // and written as candidate ids (-1 past the visible ones). Block-wide (kBlock threads: the
 // kernel's kThreads, or the one warpgroup of kWgmmaRsIndexFp4); `sel` and the pools (from
 // `pool`, PoolCapacity(k_n) each) are the caller's shared memory.
-template <Scorer kScorer, int kQueries, int kBlock = kThreads>
+template <Scorer kScorer, int kQueries, int kBlock = kThreads, int kSlack = kPoolSlack>
 __device__ void SelectTopk(const void* q, Elem q_type, const float* w, const TableView& keys,
                            const int32_t* page_table, int64_t p_n, int64_t epp, const int32_t* limit,
                            const float* scores, int32_t* ids, int64_t i_n, int64_t j_n, int64_t k_n, const int64_t* ts,
                            unsigned char* smem, Selection* sel, uint64_t* pool) {
   const int64_t s_n = p_n * epp;
-  const int capacity = static_cast<int>(PoolCapacity(k_n));
+  const int capacity = static_cast<int>(PoolCapacity(k_n, kSlack));
   int64_t visible[kQueries];
   int kept[kQueries], most = 0;
 #pragma unroll
@@ -981,7 +1016,7 @@ __global__ void __launch_bounds__(kThreads, TopkBlocksPerSm(kScorer, kQueries))
 // page-table row over what they see (a request's consecutive chunk tokens) are scored together,
 // each decoded key tile serving both; otherwise they run one after the other. Unpaired: block b
 // selects query b. Its shared memory holds q (wgmma_rs::kQBytes a query) and the pools (paired,
-// k = 512: 56 KB; k = 2048: 80 KB).
+// k = 512: 52 KB, so that four blocks share a multiprocessor; k = 2048: 76 KB).
 __global__ void __launch_bounds__(wgmma_rs::kThreads, wgmma_rs::kBlocksPerSm)
     IndexerTopkRsKernel(const void* q, const float* w, TableView keys, const int32_t* page_table, int64_t p_n,
                         int64_t epp, const int32_t* limit, int32_t* ids, int64_t t_n, int64_t i_n, int64_t k_n,
@@ -993,7 +1028,7 @@ __global__ void __launch_bounds__(wgmma_rs::kThreads, wgmma_rs::kBlocksPerSm)
     // (q of one query a block unpaired, two paired: the launch's shared memory.)
     auto* pool = reinterpret_cast<uint64_t*>(smem + (paired_blocks ? wgmma_rs::kQueries : 1) * wgmma_rs::kQBytes);
     auto select = [&](auto queries, const int64_t* ts) {
-      SelectTopk<Scorer::kWgmmaRsIndexFp4, decltype(queries)::value, kBlock>(
+      SelectTopk<Scorer::kWgmmaRsIndexFp4, decltype(queries)::value, kBlock, wgmma_rs::kPoolSlack>(
           q, Elem::kBf16, w, keys, page_table, p_n, epp, limit, nullptr, ids, i_n, index_fp4::kDim, k_n, ts, smem,
           sel, pool);
     };
@@ -1083,7 +1118,8 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
                       a.t >= kMaxPairedQueries * TopkBlocksPerSm(scorer, kMaxPairedQueries) * sms;
   // On SM90 the model's FP4 keys are scored on wgmma with the keys in registers (WgmmaRsScores).
   static const bool wgmma = WgmmaOnDevice();
-  if (scorer == Scorer::kMmaIndexFp4 && wgmma) {
+  const bool rows32 = a.keys.rows + 2 * a.epp < (int64_t{1} << 31);  // WgmmaRsScores' 32-bit rows
+  if (scorer == Scorer::kMmaIndexFp4 && wgmma && rows32) {
     static const cudaError_t attr =
         cudaFuncSetAttribute(IndexerTopkRsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              RsSharedBytes(wgmma_rs::kQueries, kMaxTopk));
