@@ -417,18 +417,6 @@ __device__ __forceinline__ float HeadSums(const float (&acc)[N], int j0, const f
   return c == 0 ? sums[0] : sums[1];
 }
 
-// Loads w of heads 8 j + 2c (+ 1) of query t, the accumulators' columns (0 for padded heads).
-__device__ __forceinline__ void LoadHeadWeights(const float* w, int64_t t, int64_t i_n, int c, float (&w_head)[8][2]) {
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int head = 8 * j + 2 * c + h;
-      w_head[j][h] = head < i_n ? w[t * i_n + head] : 0.0f;
-    }
-  }
-}
-
 // One or two queries a warpgroup on SM90 with the keys as wgmma's register operand (RS): a
 // block of one warpgroup scores kQueries queries (two: a request's consecutive tokens, the same
 // page-table row) as S^T = K [Q_0; Q_1]^T, m64n(64 kQueries)k16, its A fragments (the tile's
@@ -442,9 +430,10 @@ __device__ __forceinline__ void LoadHeadWeights(const float* w, int64_t t, int64
 // warpgroup, four blocks a multiprocessor, was 24% slower on the 64k chunk than two).
 // The K index is permuted (a dot product does not depend on the order of its terms): lane
 // 4 g + c holds in k-step kk the A fragment's columns 16 kk + 2c, +1, +8, +9, and these are
-// made elements 32 c + 4 kk .. +3 of the stored row (RsLogicalK), so the thread's 32 elements
-// of a row over the 8 k-steps are its quarter c: one 16-byte load and one E8M0 scale, two bytes
-// a k-step. q is stored in shared memory in that order once.
+// made elements 32 c + 4 kk .. +3 of the stored row (element m of a stored row, with x = m / 32,
+// kk = m % 32 / 4, i = m % 4, has K index 16 kk + 2 x + (i < 2 ? i : i + 6)), so the thread's 32
+// elements of a row over the 8 k-steps are its quarter c: one 16-byte load and one E8M0 scale,
+// two bytes a k-step. q is stored in shared memory in that order once.
 namespace wgmma_rs {
 constexpr int kThreads = 128;                        // one warpgroup
 constexpr int kQueries = 2;                          // queries a block (paired; see the kernel)
@@ -458,12 +447,6 @@ constexpr size_t kQBytes = kMmaRows * kChunks * 16;  // one query's q: 64 heads 
 // Dynamic shared memory of IndexerTopkRsKernel with `queries` queries a block: q, then the pools.
 DSV4_HD constexpr size_t RsSharedBytes(int queries, int64_t k) {
   return queries * (wgmma_rs::kQBytes + PoolBytes(k, wgmma_rs::kPoolSlack));
-}
-
-// The wgmma K index of element m (0..127) of a stored index vector in WgmmaRsScores.
-__device__ __forceinline__ int RsLogicalK(int m) {
-  const int quarter = m / index_fp4::kBlock, kk = m % index_fp4::kBlock / 4, i = m % 4;
-  return 16 * kk + 2 * quarter + (i < 2 ? i : i + 6);
 }
 
 template <int kQueries>
@@ -500,14 +483,31 @@ __device__ void WgmmaRsScores(const uint16_t* q, const float* w, const TableView
   fp4[0].Load32(values_q, scales_q, cand0.Row32(next0));
   fp4[1].Load32(values_q, scales_q, cand1.Row32(next1));
   next0 = cand0.Next(), next1 = cand1.Next();  // tile 1's entries
-  // q in the permuted K order, two elements (4 bytes) at a time; query u's head h is row
-  // 64 u + h of the B operand; padded heads are zeros.
-  constexpr int kPairs = index_fp4::kDim / 2;
-  for (int e = threadIdx.x; e < kQueries * kMmaRows * kPairs; e += wgmma_rs::kThreads) {
-    const int row = e / kPairs, head = row % kMmaRows, pair = e % kPairs, k = RsLogicalK(2 * pair);
+  // q in the permuted K order (above); query u's head h is row 64 u + h of the B operand,
+  // padded heads zeros. Elements 8 j .. 8 j + 7 of quarter x (word y: elements 8 j + 2 y, + 1)
+  // have K index 32 j + 8 y + 2 x (+ 1): chunk 4 j + y of the row holds word y of the four
+  // quarters' pieces j. So a thread moves piece j of each quarter of a row (4 x 16 bytes) into
+  // its 4 chunks. A row's chunks share their banks, so consecutive threads take consecutive
+  // rows: each 8 lanes of a 16-byte store fill the 32 banks once.
+  static_assert(index_fp4::kQuarters == 4 && index_fp4::kBlock == 32, "a chunk: one word of each quarter");
+  constexpr int kRows = kQueries * kMmaRows, kPieces = index_fp4::kBlock / 8;
+  static_assert(kRows * kPieces % wgmma_rs::kThreads == 0, "whole rounds");
+#pragma unroll 2  // (two rounds of loads in flight; all four would make the tile loop spill)
+  for (int round = 0; round < kRows * kPieces / wgmma_rs::kThreads; ++round) {
+    const int e = threadIdx.x + round * wgmma_rs::kThreads, row = e % kRows, j = e / kRows, head = row % kMmaRows;
     const int64_t t = row < kMmaRows ? ts[0] : ts[kQueries - 1];
-    const uint32_t v = head < i_n ? reinterpret_cast<const uint32_t*>(q)[(t * i_n + head) * kPairs + pair] : 0u;
-    *reinterpret_cast<uint32_t*>(smem + CoreChunkOffset(row, k / 8, kChunks) + (k % 8) * 2) = v;
+    uint4 piece[index_fp4::kQuarters];
+#pragma unroll
+    for (int x = 0; x < index_fp4::kQuarters; ++x) {
+      piece[x] = head < i_n ? *reinterpret_cast<const uint4*>(q + (t * i_n + head) * index_fp4::kDim +
+                                                              index_fp4::kBlock * x + 8 * j)
+                            : make_uint4(0, 0, 0, 0);
+    }
+    unsigned char* chunks = smem + CoreChunkOffset(row, 4 * j, kChunks);
+    *reinterpret_cast<uint4*>(chunks) = make_uint4(piece[0].x, piece[1].x, piece[2].x, piece[3].x);
+    *reinterpret_cast<uint4*>(chunks + 128) = make_uint4(piece[0].y, piece[1].y, piece[2].y, piece[3].y);
+    *reinterpret_cast<uint4*>(chunks + 256) = make_uint4(piece[0].z, piece[1].z, piece[2].z, piece[3].z);
+    *reinterpret_cast<uint4*>(chunks + 384) = make_uint4(piece[0].w, piece[1].w, piece[2].w, piece[3].w);
   }
   // w of each query's 64 heads (0 for padded ones) in shared memory: its 32 registers a thread
   // let four blocks share a multiprocessor.
