@@ -15,8 +15,12 @@ not benchmarked), and `bench.ffi_bench --timing profile`
 measures `--ops`. Printed: each case's time per variant and its ratio to base (the mean of
 base's two runs, which bracket the others so that drift shows). With `--ncu REGEX`, each
 variant's first launch of a kernel matching REGEX in an `--ncu-prefill` chunk is then
-profiled (`ncu --set full`, the CSVs in `--out`) and the metrics that moved against base are
-printed (`bench.ncu_compare`). The working tree's own libraries are put back at the end.
+profiled (`ncu --set full`, or `--ncu-sections` only: `--set full` has ended in a segmentation
+fault of the profiled process on some kernels, where `WarpStateStats,SourceCounters` ran) and
+the metrics that moved against base are printed (`bench.ncu_compare`); each variant's details
+page and SASS source page (with per-instruction stall samples: `python -m bench.sass_stalls
+FILE`) are written to `--out` as `<name>_ncu.csv` and `<name>_sass.csv`. The working tree's own
+libraries are put back at the end.
 
 On the H200 machine (see README's developer notes; carry `third_party` for the CuTe headers):
 
@@ -116,21 +120,49 @@ def run_bench(args: argparse.Namespace, json_path: Path) -> dict[str, float]:
     return {f"{r['op']} {r['case']}": r["ffi"]["ms"] for r in results if r.get("ffi", {}).get("ms") is not None}
 
 
-def run_ncu(args: argparse.Namespace, csv_path: Path) -> bool:
-    """`ncu --csv --page details` of the first launch matching --ncu in an --ncu-prefill chunk, into csv_path."""
-    cmd = [args.ncu_path, "--set", "full", "--clock-control", "none", "--csv", "--page", "details", "-k",
-           f"regex:{args.ncu}", "-c", "1", sys.executable, "-m", "bench.ffi_bench", "--decode", "none", "--prefill",
-           str(args.ncu_prefill), "--ops", args.ops, "--backends", "ffi", "--steps", "1", "--warmup", "0", "--inner",
-           "1"]
+def ncu_sections(spec: str) -> list[str]:
+    """ncu's metric-selection arguments for --ncu-sections: `full` is `--set full`, else one
+    `--section` per comma-separated name."""
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    if not names:
+        raise ValueError("--ncu-sections: give `full` or section names, e.g. WarpStateStats,SourceCounters")
+    if names == ["full"]:
+        return ["--set", "full"]
+    return [arg for name in names for arg in ("--section", name)]
+
+
+def ncu_capture_command(args: argparse.Namespace, report: Path) -> list[str]:
+    """The profile of the first launch matching --ncu in an --ncu-prefill chunk, into `report`."""
+    return [args.ncu_path, *ncu_sections(args.ncu_sections), "--clock-control", "none", "-f", "-o", str(report),
+            "-k", f"regex:{args.ncu}", "-c", "1", sys.executable, "-m", "bench.ffi_bench", "--decode", "none",
+            "--prefill", str(args.ncu_prefill), "--ops", args.ops, "--backends", "ffi", "--steps", "1", "--warmup",
+            "0", "--inner", "1"]
+
+
+def run_ncu(args: argparse.Namespace, name: str) -> Path | None:
+    """Profiles the variant in place (ncu_capture_command), exports its details page to
+    `<name>_ncu.csv` and its SASS source page to `<name>_sass.csv` in --out, and drops the report
+    (hundreds of MB). Returns the details CSV, or None when there is none."""
+    report = args.out / f"{name}.ncu-rep"
     try:
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.bench_timeout)
+        done = subprocess.run(ncu_capture_command(args, report.with_suffix("")), cwd=ROOT, capture_output=True,
+                              text=True, timeout=args.bench_timeout)
+        if done.returncode != 0:  # (ncu has ended in a segmentation fault on some builds)
+            log(f"{name}: ncu exited with {done.returncode}: {done.stderr[-1000:]}")
+        if not report.is_file():
+            return None
+        pages = {"ncu": ["--page", "details"], "sass": ["--page", "source", "--print-source", "sass"]}
+        for suffix, page in pages.items():
+            exported = subprocess.run([args.ncu_path, "-i", str(report), "--csv", *page], capture_output=True,
+                                      text=True, timeout=args.bench_timeout)
+            (args.out / f"{name}_{suffix}.csv").write_text(exported.stdout)
     except (OSError, subprocess.TimeoutExpired) as e:
-        log(f"ncu did not run: {e}")
-        return False
-    csv_path.write_text(done.stdout)
-    if done.returncode != 0:  # (ncu has ended in a segmentation fault on some builds)
-        log(f"ncu exited with {done.returncode}: {done.stderr[-1000:]}")
-    return '"ID"' in done.stdout
+        log(f"{name}: ncu did not run: {e}")
+        return None
+    finally:
+        report.unlink(missing_ok=True)
+    details = args.out / f"{name}_ncu.csv"
+    return details if '"ID"' in details.read_text() else None
 
 
 def main() -> None:
@@ -155,12 +187,18 @@ def main() -> None:
     ap.add_argument("--build-root", default="/tmp/kernel_variants")
     ap.add_argument("--ncu", default="", metavar="REGEX",
                     help="also profile each variant's first launch of the kernels matching REGEX with Nsight Compute "
-                         "(--set full) on an --ncu-prefill chunk, and print the metrics that moved (bench.ncu_compare)")
+                         "on an --ncu-prefill chunk, and print the metrics that moved (bench.ncu_compare)")
+    ap.add_argument("--ncu-sections", default="full",
+                    help="`full` (--set full) or comma-separated ncu sections, e.g. WarpStateStats,SourceCounters")
     ap.add_argument("--ncu-prefill", type=int, default=8192)
     ap.add_argument("--ncu-path", default="/usr/local/cuda/bin/ncu")
     ap.add_argument("--cpu-only", action="store_true", help="build without CUDA (checks this script off the GPU)")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "kernel_variants")
     args = ap.parse_args()
+    try:
+        ncu_sections(args.ncu_sections)
+    except ValueError as e:
+        ap.error(str(e))
     for patch in args.patches:
         if not patch.is_file():
             sys.exit(f"no such patch: {patch}")
@@ -206,8 +244,8 @@ def main() -> None:
         for name in names if args.ncu else []:
             if name not in failing:
                 use(homes[name] / "ffi_kernels")
-                if run_ncu(args, args.out / f"{name}_ncu.csv"):
-                    profiled.append(args.out / f"{name}_ncu.csv")
+                if details := run_ncu(args, name):
+                    profiled.append(details)
     finally:
         use(saved)
 
