@@ -374,6 +374,27 @@ def test_indexer_topk_keeps_up_to_2048_of_thousands_with_ties(monkeypatch, mode,
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.parametrize("t", [5, 600])  # on CUDA: one query a block; two (at least 4 queries a multiprocessor)
+def test_indexer_topk_keeps_a_top_k_just_above_a_power_of_two(monkeypatch, t):
+    # The kept keys are sorted in place padded to a power of two: 1100 to 2048, the most
+    # padding a k needs, which a selection pool must hold. (On SM90 the RS kernel's pools are
+    # smaller and the host gives such k to the mma.sync kernels instead.) Integer q and w make
+    # every score exact, so ties (many) go to the lower candidate in both.
+    _indexer_mode(monkeypatch, "fused")
+    rng = np.random.default_rng(t)
+    i, pages, epp, topk = 8, 24, 64, 1100
+    keys = _table(rng, EntryFormat.INDEX_FP4, pages * epp, 128, 0, jnp.bfloat16, scale=4.0)
+    q = jnp.asarray(rng.integers(-4, 5, size=(t, i, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.integers(-3, 4, size=(t, i)), jnp.float32)
+    page_table = jnp.asarray(np.tile(rng.permutation(pages), (t, 1)), jnp.int32)  # one request: pairs
+    limit = rng.integers(topk, pages * epp + 1, size=t)
+    limit[::4] = rng.integers(0, topk, size=len(limit[::4]))  # and fewer visible than k
+    limit = jnp.asarray(limit, jnp.int32)
+    want = indexer_ref.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+    got = indexer_ffi.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("mode", ["fused", "scored"])
 @pytest.mark.parametrize("key_scale, mixed", [(4.0, True), (1e30, False)])
 def test_indexer_topk_fp4_keys_with_large_scales(monkeypatch, mode, key_scale, mixed):

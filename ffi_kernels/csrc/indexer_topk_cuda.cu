@@ -80,9 +80,21 @@ DSV4_HD size_t RegionBytes(int64_t i, int64_t j, int queries = 1) {
   return ((scalar > mma ? scalar : mma) + 15) / 16 * 16;
 }
 
+// The bitonic sort's warp segment (see RegisterStages): the shortest sorted length.
+constexpr int kSegment = 64;
+
+// The smallest power of two >= max(n, kSegment): the sorted length of n entries.
+DSV4_HD constexpr int SortLength(int64_t n) {
+  int n_sort = kSegment;
+  while (n_sort < n) n_sort <<= 1;
+  return n_sort;
+}
+
 // The selection's pool (the file comment): k kept keys and room for the candidates that may
 // join before the next compaction (a compaction keeps k; see AfterStep for how close to full
-// the pool may get). At least the sorted length of k entries (SortLength(k) <= k + 1024).
+// the pool may get). At least the sorted length of k entries, since the kept keys are sorted in
+// place padded to it: SortLength(k) <= k + 1024 for every k (the RS kernel's smaller slack,
+// wgmma_rs::kPoolSlack, holds it for every k but 1025..1279: the host sends those elsewhere).
 constexpr int64_t kPoolSlack = 1024;
 DSV4_HD constexpr int64_t PoolCapacity(int64_t k, int64_t slack = kPoolSlack) { return k + slack; }
 DSV4_HD constexpr size_t PoolBytes(int64_t k, int64_t slack = kPoolSlack) {
@@ -438,7 +450,7 @@ namespace wgmma_rs {
 constexpr int kThreads = 128;                        // one warpgroup
 constexpr int kQueries = 2;                          // queries a block (paired; see the kernel)
 constexpr int kBlocksPerSm = 4;                      // 128 registers a thread (w in shared memory)
-constexpr int kPoolSlack = 768;                      // four blocks' shared memory at k = 512
+constexpr int kPoolSlack = 768;                      // four blocks' shared memory at k = 512 (RsFits)
 constexpr int kChunks = index_fp4::kDim / 8;         // 16-byte chunks of a q row
 constexpr int kSteps = index_fp4::kDim / 16;         // k-steps a tile
 constexpr size_t kQBytes = kMmaRows * kChunks * 16;  // one query's q: 64 heads x 128 bf16, core-matrix layout
@@ -448,6 +460,12 @@ constexpr size_t kQBytes = kMmaRows * kChunks * 16;  // one query's q: 64 heads 
 DSV4_HD constexpr size_t RsSharedBytes(int queries, int64_t k) {
   return queries * (wgmma_rs::kQBytes + PoolBytes(k, wgmma_rs::kPoolSlack));
 }
+
+// Whether the RS kernel's pools hold top-k's sort (its padding to SortLength(k)): not for k in
+// 1025..1279, which the host gives the mma.sync kernels (their slack holds every k).
+DSV4_HD constexpr bool RsFits(int64_t k) { return SortLength(k) <= k + wgmma_rs::kPoolSlack; }
+static_assert(RsFits(512) && RsFits(1024) && !RsFits(1025) && !RsFits(1279) && RsFits(1280) && RsFits(2048),
+              "the RS pools' slack against the sorted length");
 
 template <int kQueries>
 struct RsGmma;  // the CuTe atom of kQueries queries' 64 heads each
@@ -659,10 +677,9 @@ __device__ __forceinline__ int32_t CandidateOf(uint64_t key) {
 }
 
 // The bitonic network's stages of stride <= 32 run in registers, a warp per 64-entry segment
-// (lane l holds entries l and l + 32 of it; partners of stride < 32 are exchanged by
+// (kSegment; lane l holds entries l and l + 32 of it; partners of stride < 32 are exchanged by
 // shuffles), so only the stages of stride >= 64 need shared memory and a block barrier: for
 // 512 entries 6 barrier stages instead of 45.
-constexpr int kSegment = 64;
 
 // One compare-exchange stage of the network (block `size`, partner distance `stride` <= 32)
 // on a warp's segment in registers: within an ascending block ("ascending" = output order,
@@ -724,13 +741,6 @@ __device__ void SortKeys(uint64_t* keys, int n_sort) {
     RegisterStages<kBlock>(keys, n_sort, size, size);
     __syncthreads();
   }
-}
-
-// The smallest power of two >= max(n, kSegment): the sorted length of n entries.
-__device__ __forceinline__ int SortLength(int64_t n) {
-  int n_sort = kSegment;
-  while (n_sort < n) n_sort <<= 1;
-  return n_sort;
 }
 
 // ---------------------------------------------------------------- streamed selection
@@ -1119,7 +1129,7 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
   // On SM90 the model's FP4 keys are scored on wgmma with the keys in registers (WgmmaRsScores).
   static const bool wgmma = WgmmaOnDevice();
   const bool rows32 = a.keys.rows + 2 * a.epp < (int64_t{1} << 31);  // WgmmaRsScores' 32-bit rows
-  if (scorer == Scorer::kMmaIndexFp4 && wgmma && rows32) {
+  if (scorer == Scorer::kMmaIndexFp4 && wgmma && rows32 && RsFits(a.k)) {
     static const cudaError_t attr =
         cudaFuncSetAttribute(IndexerTopkRsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              RsSharedBytes(wgmma_rs::kQueries, kMaxTopk));
