@@ -903,7 +903,7 @@ struct PoolSink {
 // query), stream through each query's pool; then each query's kept keys are selected, sorted
 // and written as candidate ids (-1 past the visible ones). Block-wide (kBlock threads: the
 // kernel's kThreads, or the one warpgroup of kWgmmaRsIndexFp4); `sel` and the pools (from
-// `pool`, PoolCapacity(k_n) each) are the caller's shared memory.
+// `pool`, PoolCapacity(k_n, kSlack) each) are the caller's shared memory.
 template <Scorer kScorer, int kQueries, int kBlock = kThreads, int kSlack = kPoolSlack>
 __device__ void SelectTopk(const void* q, Elem q_type, const float* w, const TableView& keys,
                            const int32_t* page_table, int64_t p_n, int64_t epp, const int32_t* limit,
