@@ -143,10 +143,10 @@ def run_ncu(args: argparse.Namespace, name: str) -> Path | None:
     """Profiles the variant in place (ncu_capture_command), exports its details page to
     `<name>_ncu.csv` and its SASS source page to `<name>_sass.csv` in --out, and drops the report
     (hundreds of MB). Returns the details CSV, or None when there is none."""
-    report = args.out / f"{name}.ncu-rep"
+    report = args.out / f"{name}.ncu-rep"  # (ncu adds the suffix to the -o path)
     try:
-        done = subprocess.run(ncu_capture_command(args, report.with_suffix("")), cwd=ROOT, capture_output=True,
-                              text=True, timeout=args.bench_timeout)
+        done = subprocess.run(ncu_capture_command(args, args.out / name), cwd=ROOT, capture_output=True, text=True,
+                              timeout=args.bench_timeout)
         if done.returncode != 0:  # (ncu has ended in a segmentation fault on some builds)
             log(f"{name}: ncu exited with {done.returncode}: {done.stderr[-1000:]}")
         if not report.is_file():

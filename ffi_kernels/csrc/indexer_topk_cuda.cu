@@ -995,7 +995,8 @@ __device__ void SelectPairOrEach(const TableView& keys, const int32_t* page_tabl
 // each decoded key tile serving both; otherwise they run one after the other. Its shared
 // memory for FP4 keys and k = 512 (~50 KB fused, ~63 KB paired on mma.sync); registers are
 // capped so that TopkBlocksPerSm blocks share a multiprocessor (three with FP4 keys: 80
-// registers; two paired: 128). (On SM90 the fused FP4 calls run IndexerTopkRsKernel instead.)
+// registers; two paired: 128). (On SM90 the fused FP4 calls run IndexerTopkRsKernel instead,
+// but for tables of 2^31 rows or more and k in 1025..1279: see the host's choice.)
 constexpr int TopkBlocksPerSm(Scorer s, int queries) {
   return queries > 1 ? 2 : s == Scorer::kScalar ? 4 : s == Scorer::kMmaIndexFp4 ? 3 : 2;
 }
@@ -1126,7 +1127,8 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
   // query a block finishes sooner.
   const bool paired = scorer == Scorer::kMmaIndexFp4 &&
                       a.t >= kMaxPairedQueries * TopkBlocksPerSm(scorer, kMaxPairedQueries) * sms;
-  // On SM90 the model's FP4 keys are scored on wgmma with the keys in registers (WgmmaRsScores).
+  // On SM90 the model's FP4 keys are scored on wgmma with the keys in registers (WgmmaRsScores),
+  // where its 32-bit rows and its pools (RsFits) allow; otherwise by the mma.sync kernels below.
   static const bool wgmma = WgmmaOnDevice();
   const bool rows32 = a.keys.rows + 2 * a.epp < (int64_t{1} << 31);  // WgmmaRsScores' 32-bit rows
   if (scorer == Scorer::kMmaIndexFp4 && wgmma && rows32 && RsFits(a.k)) {
