@@ -167,3 +167,39 @@ def test_ffi_bench_profile_timing_needs_a_gpu():
         pytest.skip("this platform has a GPU")
     with pytest.raises(SystemExit):
         ffi_bench.parse_args(["--timing", "profile"])
+
+
+def test_ffi_bench_floor_is_one_call_under_profile_and_the_loop_under_loop_timing(monkeypatch):
+    import dataclasses
+
+    from bench import ffi_bench
+
+    loop = ffi_bench.parse_args(["--config", "tiny", "--steps", "1", "--warmup", "0", "--inner", "3"])
+    reps, real = [], ffi_bench.repeated
+    monkeypatch.setattr(ffi_bench, "repeated", lambda fn, args, static, n, carry: reps.append(n) or real(
+        fn, args, static, n, carry))
+    profiled = []
+    monkeypatch.setattr(ffi_bench, "profile_call", lambda program, args, s: profiled.append(
+        float(program(*args))) or (0.0, 0.0021))
+    assert ffi_bench.timing_floor_ms(dataclasses.replace(loop, timing="profile")) == 0.0021
+    assert reps == [1] and profiled == [0.0]  # one identity call on one zero
+    assert ffi_bench.timing_floor_ms(loop) > 0
+    assert reps == [1, 3]
+
+
+def test_ffi_bench_rows_say_when_twice_the_roofline_is_under_the_profile_floor():
+    import dataclasses
+
+    from bench import ffi_bench
+
+    s = dataclasses.replace(ffi_bench.parse_args(["--backends", "ffi"]), timing="profile")
+    meta = {"date": "2026-12-03", "device": "H200", "jax_version": "0", "profile_floor_ms": 0.003}
+
+    def row(roofline_ms: float) -> str:
+        r = {"status": "ok", "op": "indexer_topk", "case": "decode C32", "roofline_ms": roofline_ms,
+             "ffi": {"ms": 0.016, "gbps": 1.0, "tflops": 1.0, "over_roofline": 0.016 / roofline_ms}}
+        return ffi_bench.markdown_row(r, meta, s)
+
+    assert "profile floor 0.003 ms" in row(0.001)
+    assert "2x the roofline is under the profile floor" in row(0.001)  # 0.002 < 0.003
+    assert "under the profile floor" not in row(0.002)  # 0.004 > 0.003
