@@ -214,13 +214,22 @@ def time_call(program, args, s: Settings) -> tuple[float, float]:
     return compile_s, float(np.median(times))
 
 
+def calls_per_program(s: Settings) -> int:
+    """Op calls in a timed program: --inner in a device loop, or one where a profile times it."""
+    return s.inner if s.timing == "loop" else 1
+
+
+def timed(program, args, s: Settings) -> tuple[float, float]:
+    """(compile s, ms per call) of program(*args) by --timing: time_call or profile_call."""
+    return (time_call if s.timing == "loop" else profile_call)(program, args, s)
+
+
 def timing_floor_ms(s: Settings) -> float:
     """Milliseconds per call that --timing measures around an identity op on one float: loop, the
     device loop's cost per iteration; profile, the device time of a one-call program of one tiny
     kernel (what every profiled figure includes at least)."""
-    inner = s.inner if s.timing == "loop" else 1
-    program, args = repeated(lambda x: x, (jnp.zeros((1,), jnp.float32),), (), inner, False)
-    return (time_call if s.timing == "loop" else profile_call)(program, args, s)[1]
+    program, args = repeated(lambda x: x, (jnp.zeros((1,), jnp.float32),), (), calls_per_program(s), False)
+    return timed(program, args, s)[1]
 
 
 def _device_events(events: Sequence[dict], device_prefix: str) -> list[dict]:
@@ -279,10 +288,10 @@ def run_op(op: str, cfg: ModelConfig, case: Case, s: Settings, log) -> dict:
     result = {"op": op, "case": case.name, "queries": case.queries, "bytes": nbytes, "flops": flops,
               "roofline_ms": roofline_ms, "status": "ok"}
     for backend in s.backends:
-        inner = s.inner if s.timing == "loop" else 1
-        program, live = repeated(getattr(ops_for(backend), attr), args, _STATIC[op], inner, op == "kv_write")
+        program, live = repeated(getattr(ops_for(backend), attr), args, _STATIC[op], calls_per_program(s),
+                                 op == "kv_write")
         try:
-            compile_s, ms = (time_call if s.timing == "loop" else profile_call)(program, live, s)
+            compile_s, ms = timed(program, live, s)
         except Exception as e:  # noqa: BLE001 - one backend out of memory must not hide the others' figures
             if not _is_oom(e):
                 raise
