@@ -361,6 +361,467 @@ __device__ void MergeClusterParts(const float* o_s, const float2* ml_s, uint16_t
   cluster.sync();
 }
 
+// ---------------------------------------------------------------- producer warpgroup
+//
+// ProducerAttentionKernel: the alternating-tile schedule of the FLASH FP8 wgmma code (SM90a, one
+// part a query: prefill) with a third warpgroup that resolves, loads and decodes every tile, so
+// that the tile loads leave the computing warpgroups. Warpgroups 0 and 1 compute: warpgroup w
+// runs S and the softmax of tiles 2s + w, read from decoded buffer w, and keeps O's columns
+// 256 w .. +256 for every tile (its own tile's P from registers, the other's from shared memory;
+// while one is in its softmax the other's products run: FlashMLA's sparse prefill split).
+// Warpgroup 2 fills the buffers in tile order: for each column half of tile m it loads the
+// bytes into registers, waits until that half of buffer m % 2 is free (tile m - 2 read it for the
+// last time), and decodes them there; the half freed first is loaded first. Half h of a buffer
+// is read last by warpgroup h (its P V; the owner's S comes before the P exchange that precedes
+// the other's P V), so warpgroup h frees it. setmaxnreg moves registers from the producer (which
+// holds one half's bytes) to the computing warpgroups (O's 128 accumulators, S's 32, P's 16).
+namespace producer {
+constexpr int kThreads = 384;
+constexpr int kSlotRing = 4;  // tiles whose slots are live at once (the kernel's comment)
+// Launched at 168 registers a thread (65536 / 384): the producer gives back 168 - 88 = 80 a
+// thread, the two computing warpgroups take 2 x (208 - 168) = 80 of them.
+constexpr int kLaunchRegisters = 168, kComputeRegisters = 208, kProducerRegisters = 88;
+static_assert(2 * (kComputeRegisters - kLaunchRegisters) <= kLaunchRegisters - kProducerRegisters,
+              "setmaxnreg takes no more than it gives back (else the computing warpgroups wait forever)");
+// Named barriers (0 is __syncthreads'), 256 threads each: one side arrives, the other syncs.
+enum Barrier : int {
+  kMaxA = 1,    // warpgroup 0's running max after its tile (0 arrives, 1 syncs)
+  kMaxB,        // warpgroup 1's, after the tile that follows (1 arrives, 0 syncs)
+  kPA,          // P of tile A in shared memory (0 arrives, 1 syncs)
+  kPB,          // P of tile B (1 arrives, 0 syncs)
+  kFull0,       // buffer 0 decoded (the producer arrives, warpgroup 0 syncs)
+  kFull1,       // buffer 1 decoded (the producer arrives, warpgroup 1 syncs)
+  kFree00,      // kFree00 + 2 b + h: half h of buffer b read for the last time (warpgroup h
+  kFree01,      // arrives, the producer syncs)
+  kFree10,
+  kFree11,
+  kCompute,     // warpgroups 0 and 1 among themselves
+};
+__device__ __forceinline__ int FreeBarrier(int buffer, int half) { return kFree00 + 2 * buffer + half; }
+}  // namespace producer
+
+__device__ __forceinline__ void BarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void BarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// setmaxnreg (SM90a): this warpgroup's registers a thread raised or lowered to kRegisters.
+template <int kRegisters>
+__device__ __forceinline__ void RaiseRegisters() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+#endif
+}
+
+template <int kRegisters>
+__device__ __forceinline__ void LowerRegisters() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+#endif
+}
+
+// A warpgroup thread's bytes of one column half of a 64-row FLASH FP8 tile: row i % 64 (i the
+// thread's index in its warpgroup), part p = i / 64. The left half (columns 0..255: scale blocks
+// 0..3) gives part p blocks 2p and 2p + 1; the right half (256..511: blocks 4..6, then the 64
+// bf16 rope values) gives part 0 blocks 4 and 5 and rope units 0 and 1, part 1 block 6 and rope
+// units 2..7 (160 bytes each; the left half's parts 128).
+struct FlashHalfPart {
+  uint4 bytes[10];   // the e4m3 values of its blocks (four units each), then its rope units
+  uint8_t scale[2];  // its blocks' E8M0 bytes
+};
+
+template <bool kRight>
+__device__ __forceinline__ int FlashHalfFirstBlock(int part) {
+  return kRight ? 4 + 2 * part : 2 * part;
+}
+
+template <bool kRight>
+__device__ __forceinline__ void LoadFlashHalf(Slot slot, const TableView* views, FlashHalfPart& raw) {
+  using namespace flash_fp8;
+  const int part = (threadIdx.x % 128) / kTileRowsFlash;  // warp-uniform
+  // Every byte defined on every path (zeros for an empty slot, then masked anyway): otherwise the
+  // previous tile's bytes stay live through the loads, as far as the compiler can tell.
+#pragma unroll
+  for (int k = 0; k < 10; ++k) raw.bytes[k] = make_uint4(0, 0, 0, 0);
+  raw.scale[0] = raw.scale[1] = 127;
+  if (slot.table < 0) return;
+  const TableView& v = views[slot.table];
+  const int b0 = FlashHalfFirstBlock<kRight>(part);
+  const uint4* values = reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(v.values) +
+                                                       slot.row * kValues + kBlock * b0);
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    if (b == 1 && kRight && part == 1) break;  // block 6 is the last
+#pragma unroll
+    for (int k = 0; k < kBlock / 16; ++k) raw.bytes[4 * b + k] = __ldg(values + kBlock / 16 * b + k);
+    raw.scale[b] = v.scales[slot.row * kScales + b0 + b];
+  }
+  if constexpr (kRight) {
+    const uint4* rope =
+        reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(v.rope) + slot.row * (2 * kRope));
+    if (part == 0) {
+      raw.bytes[8] = __ldg(rope);
+      raw.bytes[9] = __ldg(rope + 1);
+    } else {
+#pragma unroll
+      for (int u = 0; u < 6; ++u) raw.bytes[4 + u] = __ldg(rope + 2 + u);
+    }
+  }
+}
+
+// The decode of LoadFlashHalf's bytes into the tile `kv` (wgmma.h's core-matrix layout, 64
+// chunks a row); an empty slot's row is stored as zeros (masked words, as DecodeFlashFp8Tile).
+template <bool kRight>
+__device__ __forceinline__ void DecodeFlashHalf(bool valid, const FlashHalfPart& raw, unsigned char* kv) {
+  using namespace flash_fp8;
+  const int i = threadIdx.x % 128, r = i % kTileRowsFlash, part = i / kTileRowsFlash;
+  const uint32_t keep = valid ? ~0u : 0u;
+  auto store = [&](int c, uint4 w) {  // row r's chunk c (values 8c .. 8c + 7)
+    *reinterpret_cast<uint4*>(kv + CoreChunkOffset(r, c, kHead / 8)) =
+        make_uint4(w.x & keep, w.y & keep, w.z & keep, w.w & keep);
+  };
+  const int b0 = FlashHalfFirstBlock<kRight>(part);
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    if (b == 1 && kRight && part == 1) break;
+    const float scale = E8m0ToFloat(raw.scale[b]);
+#pragma unroll
+    for (int k = 0; k < kBlock / 16; ++k) {
+      const uint4 w = raw.bytes[4 * b + k];
+      store(kBlock / 8 * (b0 + b) + 2 * k, E4m3EightToBf16(make_uint2(w.x, w.y), scale));
+      store(kBlock / 8 * (b0 + b) + 2 * k + 1, E4m3EightToBf16(make_uint2(w.z, w.w), scale));
+    }
+  }
+  if constexpr (kRight) {
+    if (part == 0) {
+      store(kValues / 8, raw.bytes[8]);
+      store(kValues / 8 + 1, raw.bytes[9]);
+    } else {
+#pragma unroll
+      for (int u = 0; u < 6; ++u) store(kValues / 8 + 2 + u, raw.bytes[4 + u]);
+    }
+  }
+}
+
+// Shared memory of ProducerAttentionKernel: q [64 heads][512] and two decoded tiles [2][64][512]
+// in bf16, core-matrix layout, then each computing warpgroup's P [2][64 heads][64 rows] bf16.
+constexpr int64_t kProducerSharedBytes =
+    (kTcHeads + 2 * kTileRowsFlash) * flash_fp8::kHead * 2 + 2 * kTcHeads * kTileRowsFlash * 2;
+
+__global__ void __launch_bounds__(producer::kThreads, 1)
+    ProducerAttentionKernel(const uint16_t* q, TableViews tables, const int32_t* window_idx, int64_t w_n,
+                            const int32_t* comp_idx, int64_t x_n, const float* sink, uint16_t* out, int64_t n_n,
+                            float scale_log2) {
+  using namespace producer;
+  constexpr int kH = flash_fp8::kHead, kRows = kTileRowsFlash, kChunks = kH / 8, kGroupBytes = kChunks * 128;
+  constexpr int kPChunks = kRows / 8, kPGroupBytes = kPChunks * 128, kPBytes = kTcHeads * kRows * 2;
+  constexpr int kBlocks = kRows / 8;  // 8-row blocks of S (the m64n64 accumulator's columns)
+  extern __shared__ __align__(128) unsigned char producer_smem[];
+  __shared__ Slot slots[kSlotRing][kRows];
+  __shared__ TableView views[3];
+  __shared__ float max_s[2][kTcHeads];  // the running max after each computing warpgroup's tile (then l)
+  unsigned char* q_s = producer_smem;               // [kTcHeads][kH]
+  unsigned char* kv_s = q_s + kTcHeads * kH * 2;    // [2][kRows][kH]: tile m in buffer m % 2
+  unsigned char* p_s = kv_s + 2 * kRows * kH * 2;   // [2][kTcHeads][kRows]
+  const int64_t t = blockIdx.x, head0 = static_cast<int64_t>(blockIdx.y) * kTcHeads;
+  const int32_t* w_idx = window_idx + t * w_n;
+  const int32_t* x_idx = comp_idx + t * x_n;
+  // At least one pair: with no slots the tiles are empty (P = 0) and every barrier still meets.
+  const int64_t end = w_n + x_n, pairs = max(static_cast<int64_t>(1), (end + 2 * kRows - 1) / (2 * kRows));
+  const int wg = WarpgroupIndex();
+  if (threadIdx.x < 3) views[threadIdx.x] = tables.t[threadIdx.x];
+  __syncthreads();  // views staged (the last barrier of all three warpgroups)
+  if constexpr (!kWgmmaCompiled) __trap();  // the host launches it only where the SM90a code runs
+
+  if (wg == 2) {
+    // The producer, a pair of tiles (A = 2s in buffer 0, B = 2s + 1 in buffer 1) at a time; a
+    // last odd tile past the end is all empty slots, decoded to zeros, which its P of 0
+    // multiplies (stale shared memory could hold NaN). The halves go in the order they are
+    // freed: A's left (warpgroup 0's own P V), B's right (warpgroup 1's), then A's right and B's
+    // left (each the other's P V, near the end of the pair). One half's bytes are in registers at
+    // a time (the computing warpgroups need 208 registers: at 200 ptxas serialises their wgmma),
+    // loaded as the half before it is decoded, so that it arrives while the free of its own half
+    // is awaited; kPrefetchL1 also asks L1 for the half after it then.
+    LowerRegisters<kProducerRegisters>();
+    const int i = threadIdx.x % 128, r = i % kRows;
+    unsigned char* buffer_a = kv_s;
+    unsigned char* buffer_b = kv_s + kRows * kH * 2;
+    int32_t ahead = SlotIndex(r, end, w_n, w_idx, x_idx);  // row r's stored index, a tile early
+    // Row r of tile m: its slot, into ring entry m % kSlotRing (tile m - kSlotRing's, last read in
+    // that tile's softmax, before the frees of it that this warpgroup has synced on since).
+    auto resolve = [&](int64_t m) {
+      const int64_t j = m * kRows + r;
+      const Slot slot = SlotOf(j, ahead, w_n, views[0].rows, views[1].rows, views[2].rows);
+      ahead = SlotIndex(j + kRows, end, w_n, w_idx, x_idx);
+      if (i < kRows) slots[m % kSlotRing][r] = slot;
+      return slot;
+    };
+    FlashHalfPart x;
+    Slot a = resolve(0), b = resolve(1);
+    LoadFlashHalf<false>(a, views, x);
+#pragma unroll 1
+    for (int64_t s = 0; s < pairs; ++s) {
+      const bool again = s > 0, has_next = s + 1 < pairs;
+      if (again) BarrierSync(FreeBarrier(0, 0), 256);
+      DecodeFlashHalf<false>(a.table >= 0, x, buffer_a);
+      LoadFlashHalf<true>(b, views, x);
+      if (again) BarrierSync(FreeBarrier(1, 1), 256);
+      DecodeFlashHalf<true>(b.table >= 0, x, buffer_b);
+      LoadFlashHalf<true>(a, views, x);
+      if (again) BarrierSync(FreeBarrier(0, 1), 256);
+      DecodeFlashHalf<true>(a.table >= 0, x, buffer_a);
+      FenceSharedForAsyncProxy();  // read by warpgroup 0's wgmma
+      BarrierArrive(kFull0, 256);
+      LoadFlashHalf<false>(b, views, x);
+      if (has_next) {  // (tiles 2s - 2 and 2s - 1 are past their softmax: their frees were synced)
+        a = resolve(2 * s + 2);
+      }
+      if (again) BarrierSync(FreeBarrier(1, 0), 256);
+      DecodeFlashHalf<false>(b.table >= 0, x, buffer_b);
+      FenceSharedForAsyncProxy();  // read by warpgroup 1's wgmma
+      BarrierArrive(kFull1, 256);
+      if (has_next) {
+        LoadFlashHalf<false>(a, views, x);
+        b = resolve(2 * s + 3);
+      }
+    }
+    return;
+  }
+
+  // The computing warpgroups (the alternating schedule: see the kernel's comment and the
+  // barriers' roles). A running max is shared along the sequence of tiles: A's from B's
+  // previous one, B's from A's; each warpgroup rescales its own O and l when it adopts a new
+  // one, so both end in the same frame. The sink's exp(0) is counted by warpgroup 0.
+  RaiseRegisters<kComputeRegisters>();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = warp % 4, g = lane / 4, c = lane % 4;
+  for (int e = threadIdx.x; e < kTcHeads * kChunks; e += 2 * 128) {
+    const int row = e / kChunks, k = e % kChunks;
+    void* dst = q_s + CoreChunkOffset(row, k, kChunks);
+    if (head0 + row < n_n) {
+      CopyAsync16(dst, q + (t * n_n + head0 + row) * kH + 8 * k);
+    } else {
+      *static_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  CopyAsyncCommitAndWaitAll();
+  FenceSharedForAsyncProxy();  // q (and its zero rows) read by wgmma
+  BarrierSync(kCompute, 256);  // q landed
+
+  using ScoreAtom = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                                 cute::SM90::GMMA::Major::K>;
+  using OwnAtom = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
+                                                                cute::SM90::GMMA::Major::MN>;
+  using OtherAtom = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                                  cute::SM90::GMMA::Major::MN>;
+  const int64_t head_lo = head0 + group * 16 + g, head_hi = head_lo + 8;
+  const int row_lo = group * 16 + g, row_hi = row_lo + 8;  // this thread's heads in the block
+  float m_lo = head_lo < n_n ? sink[head_lo] * kLog2e : 0.0f;
+  float m_hi = head_hi < n_n ? sink[head_hi] * kLog2e : 0.0f;
+  float l_lo = c == 0 && wg == 0 ? 1.0f : 0.0f, l_hi = l_lo;
+  float o[kMaxOutBlocks][4];
+#pragma unroll
+  for (int b = 0; b < kMaxOutBlocks; ++b) o[b][0] = o[b][1] = o[b][2] = o[b][3] = 0.0f;
+  float(&o_acc)[kMaxOutBlocks * 4] = reinterpret_cast<float(&)[kMaxOutBlocks * 4]>(o);
+
+  const unsigned char* kv_own = kv_s + wg * kRows * kH * 2;
+  const unsigned char* kv_other = kv_s + (wg ^ 1) * kRows * kH * 2;
+  const uint64_t q_desc = WgmmaDescriptor(q_s, 128, kGroupBytes);
+  const uint64_t k_own = WgmmaDescriptor(kv_own, 128, kGroupBytes);
+  // V over this warpgroup's columns: the tile read with its rows along K (MN-major).
+  const uint64_t v_own = WgmmaDescriptor(kv_own + wg * (kChunks / 2) * 128, kGroupBytes, 128);
+  const uint64_t v_other = WgmmaDescriptor(kv_other + wg * (kChunks / 2) * 128, kGroupBytes, 128);
+  const uint64_t p_other = WgmmaDescriptor(p_s + (wg ^ 1) * kPBytes, 128, kPGroupBytes);
+  unsigned char* p_own = p_s + wg * kPBytes;
+
+  float acc[kBlocks * 4];  // S of this warpgroup's tile: [8-row block b][4]
+  auto issue_scores = [&]() {
+    // The wgmma's accumulators are in-out operands: without this the previous tile's P would
+    // count as live up to here (the first k-step ignores them).
+#pragma unroll
+    for (int e = 0; e < kBlocks * 4; ++e) acc[e] = 0.0f;
+    // The descriptors made opaque here: they are the same every tile, and the compiler
+    // otherwise hoists all 64 k-step descriptors out of the loop and spills them.
+    uint64_t q_at = q_desc, k_at = k_own;
+    asm volatile("" : "+l"(q_at), "+l"(k_at));
+    FenceOperands(acc);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < kH / 16; ++kk) {  // two 16-byte chunks a k-step
+      WgmmaSs<ScoreAtom>(WgmmaDescriptorAt(q_at, kk * 2 * 128), WgmmaDescriptorAt(k_at, kk * 2 * 128), acc, kk > 0);
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    FenceOperands(acc);
+  };
+  BarrierSync(kFull0 + wg, 256);  // this warpgroup's first tile decoded
+  issue_scores();
+
+#pragma unroll 1
+  for (int64_t s = 0; s < pairs; ++s) {
+    const Slot* tile = slots[(2 * s + wg) % kSlotRing];
+    const bool has_next = s + 1 < pairs;
+    // The softmax: masked rows, the rows' maxima against the reference max (B: A's, just
+    // published), moved only past kMaxSlack (as the other codes' lazy max).
+    float max_lo = -INFINITY, max_hi = -INFINITY;
+#pragma unroll
+    for (int b = 0; b < kBlocks; ++b) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool valid = tile[b * 8 + 2 * c + e].table >= 0;
+        acc[4 * b + e] = valid ? acc[4 * b + e] * scale_log2 : -INFINITY;
+        acc[4 * b + 2 + e] = valid ? acc[4 * b + 2 + e] * scale_log2 : -INFINITY;
+        max_lo = fmaxf(max_lo, acc[4 * b + e]);
+        max_hi = fmaxf(max_hi, acc[4 * b + 2 + e]);
+      }
+    }
+    max_lo = QuadMax(max_lo), max_hi = QuadMax(max_hi);
+    float ref_lo = m_lo, ref_hi = m_hi;
+    if (wg == 1) {
+      BarrierSync(kMaxA, 256);
+      ref_lo = max_s[0][row_lo], ref_hi = max_s[0][row_hi];
+    }
+    const bool move = __any_sync(0xffffffffu, max_lo > ref_lo + kMaxSlack || max_hi > ref_hi + kMaxSlack);
+    const float new_lo = move ? fmaxf(ref_lo, max_lo) : ref_lo, new_hi = move ? fmaxf(ref_hi, max_hi) : ref_hi;
+    auto rescale = [&](float to_lo, float to_hi) {  // O and l from frame m to frame `to`
+      if (__any_sync(0xffffffffu, to_lo != m_lo || to_hi != m_hi)) {
+        const float f_lo = exp2f(m_lo - to_lo), f_hi = exp2f(m_hi - to_hi);
+        l_lo *= f_lo, l_hi *= f_hi;
+#pragma unroll
+        for (int b = 0; b < kMaxOutBlocks; ++b) o[b][0] *= f_lo, o[b][1] *= f_lo, o[b][2] *= f_hi, o[b][3] *= f_hi;
+      }
+      m_lo = to_lo, m_hi = to_hi;
+    };
+    rescale(new_lo, new_hi);
+    float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+    for (int b = 0; b < kBlocks; ++b) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        acc[4 * b + e] = exp2f(acc[4 * b + e] - m_lo);
+        acc[4 * b + 2 + e] = exp2f(acc[4 * b + 2 + e] - m_hi);
+        sum_lo += acc[4 * b + e];
+        sum_hi += acc[4 * b + 2 + e];
+      }
+    }
+    l_lo += sum_lo, l_hi += sum_hi;
+    uint32_t p_frag[kRows / 16][4];  // P as bf16 A fragments (k-step ks: rows 16 ks .. +16)
+#pragma unroll
+    for (int ks = 0; ks < kRows / 16; ++ks) {
+      p_frag[ks][0] = PackBf16(acc[8 * ks], acc[8 * ks + 1]);
+      p_frag[ks][1] = PackBf16(acc[8 * ks + 2], acc[8 * ks + 3]);
+      p_frag[ks][2] = PackBf16(acc[8 * ks + 4], acc[8 * ks + 5]);
+      p_frag[ks][3] = PackBf16(acc[8 * ks + 6], acc[8 * ks + 7]);
+    }
+    if (c == 0) max_s[wg][row_lo] = m_lo, max_s[wg][row_hi] = m_hi;
+    BarrierArrive(wg == 0 ? kMaxA : kMaxB, 256);
+    // This warpgroup's P into its core-matrix tile [64 heads][64 rows] for the other's wgmma:
+    // register e of k-step ks holds heads row_lo (e even) or row_hi, rows 16 ks + 8 (e / 2) + 2c, +1.
+    auto store_p = [&]() {
+#pragma unroll
+      for (int ks = 0; ks < kRows / 16; ++ks) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          *reinterpret_cast<uint32_t*>(p_own + CoreChunkOffset(e % 2 ? row_hi : row_lo, 2 * ks + e / 2, kPChunks) +
+                                       4 * c) = p_frag[ks][e];
+        }
+      }
+      FenceSharedForAsyncProxy();  // read by the other warpgroup's wgmma
+    };
+    // O += P V over this warpgroup's columns of the other's tile; then that half of the other's
+    // buffer is free.
+    auto other_products = [&]() {
+      FenceOperands(o_acc);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int ks = 0; ks < kRows / 16; ++ks) {
+        WgmmaSs<OtherAtom>(WgmmaDescriptorAt(p_other, ks * 2 * 128), WgmmaDescriptorAt(v_other, ks * 2 * kGroupBytes),
+                           o_acc, true);
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      FenceOperands(o_acc);
+      if (has_next) BarrierArrive(FreeBarrier(wg ^ 1, wg), 256);
+    };
+    auto own_products_done = [&]() {
+      cute::warpgroup_wait<0>();
+      FenceOperands(o_acc);
+      FenceOperands(p_frag[0]), FenceOperands(p_frag[1]), FenceOperands(p_frag[2]), FenceOperands(p_frag[3]);
+      if (has_next) BarrierArrive(FreeBarrier(wg, wg), 256);  // S and this P V were its last reads
+    };
+    // O += P V over this warpgroup's columns of its own tile (B stores its P first: a wgmma's
+    // register operand may not be read while it is in flight).
+    if (wg == 1) {
+      store_p();
+      BarrierArrive(kPB, 256);
+    }
+    FenceOperands(o_acc);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int ks = 0; ks < kRows / 16; ++ks) {
+      WgmmaRs<OwnAtom>(p_frag[ks], WgmmaDescriptorAt(v_own, ks * 2 * kGroupBytes), o_acc, true);
+    }
+    cute::warpgroup_commit_batch();
+    if (wg == 0) {
+      own_products_done();
+      BarrierSync(kMaxB, 256);
+      const float b_lo = max_s[1][row_lo], b_hi = max_s[1][row_hi];
+      if (__any_sync(0xffffffffu, b_lo != m_lo || b_hi != m_hi)) {  // P_A into B's frame too
+        const uint32_t f_lo = PackBf16(exp2f(m_lo - b_lo), exp2f(m_lo - b_lo));
+        const uint32_t f_hi = PackBf16(exp2f(m_hi - b_hi), exp2f(m_hi - b_hi));
+#pragma unroll
+        for (int ks = 0; ks < kRows / 16; ++ks) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) p_frag[ks][e] = Bf16x2Mul(p_frag[ks][e], e % 2 ? f_hi : f_lo);
+        }
+      }
+      rescale(b_lo, b_hi);
+      store_p();
+      BarrierArrive(kPA, 256);
+      BarrierSync(kPB, 256);
+      other_products();
+    } else {
+      own_products_done();
+      BarrierSync(kPA, 256);
+      other_products();
+    }
+    if (has_next) {
+      BarrierSync(kFull0 + wg, 256);  // this warpgroup's next tile decoded
+      issue_scores();
+    }
+  }
+  // The denominator: each warpgroup summed its own tiles' P (and warpgroup 0 the sink), in the
+  // same final frame.
+  l_lo = QuadSum(l_lo), l_hi = QuadSum(l_hi);
+  BarrierSync(kCompute, 256);  // every max_s read done
+  if (c == 0) max_s[wg][row_lo] = l_lo, max_s[wg][row_hi] = l_hi;
+  BarrierSync(kCompute, 256);
+  l_lo += max_s[wg ^ 1][row_lo];
+  l_hi += max_s[wg ^ 1][row_hi];
+  // The normalised output through shared memory (the q and tile region: every read of it is
+  // done, the producer's last write came before this warpgroup's last S), in 16-byte stores.
+  constexpr int ld = kH + kPad;
+  uint16_t* out_s = reinterpret_cast<uint16_t*>(producer_smem);  // [kTcHeads][ld]
+  const float inv_lo = 1.0f / l_lo, inv_hi = 1.0f / l_hi;
+#pragma unroll
+  for (int b = 0; b < kMaxOutBlocks; ++b) {
+    const int col = wg * (kH / 2) + b * 8 + 2 * c;
+    *reinterpret_cast<uint32_t*>(out_s + row_lo * ld + col) = PackBf16(o[b][0] * inv_lo, o[b][1] * inv_lo);
+    *reinterpret_cast<uint32_t*>(out_s + row_hi * ld + col) = PackBf16(o[b][2] * inv_hi, o[b][3] * inv_hi);
+  }
+  BarrierSync(kCompute, 256);
+  for (int e = threadIdx.x; e < kTcHeads * kChunks; e += 2 * 128) {
+    const int row = e / kChunks, k = 8 * (e % kChunks);
+    if (head0 + row < n_n) {
+      *reinterpret_cast<uint4*>(out + (t * n_n + head0 + row) * kH + k) =
+          *reinterpret_cast<const uint4*>(out_s + row * ld + k);
+    }
+  }
+}
+
 // kFixedH: the head dim as a compile-time constant (512, the model's), so that the loops over
 // it unroll and its divisions become shifts; 0 reads it from h_arg. kFlashFp8: every table is
 // in the FLASH FP8 layout (IsFlashFp8; kFixedH is then 512).
@@ -873,6 +1334,18 @@ bool TensorCoreServes(const AttentionArgs& a) {
   return TensorCoreSharedBytes(a.h, TensorCoreStageStride(a), TensorCoreTileRows(a)) <= TensorCoreSharedLimit();
 }
 
+// Whether the current device runs the SM90a code (compute capability 9; an SM120 device runs
+// its 120a code), where ProducerAttentionKernel has a body.
+bool ProducerKernelOnDevice() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return major == 9;
+}
+
 ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const void* q, const int32_t* window_idx,
                             const int32_t* comp_idx, const float* sink, void* out, float* split_o, float* split_ml,
                             float scale) {
@@ -895,6 +1368,28 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
   const int64_t splits = std::max<int64_t>(1, std::min(a.splits, tiles));
   const int64_t per_split = (tiles + splits - 1) / splits;
   const int64_t used = splits > 1 ? (tiles + per_split - 1) / per_split : 1;  // no empty trailing parts
+  // The launch must give the kernel exactly kLaunchRegisters a thread, the pool its setmaxnreg
+  // calls balance (a -maxrregcount build or another ptxas could give fewer: they would hang).
+  // This also keeps it off a plain sm_90 build, whose body is only the __trap (28 registers);
+  // the tensor-core kernel below serves there.
+  static const bool producer_registers = [] {
+    cudaFuncAttributes f{};
+    const bool ok = cudaFuncGetAttributes(&f, ProducerAttentionKernel) == cudaSuccess;
+    if (!ok) (void)cudaGetLastError();
+    return ok && f.numRegs == producer::kLaunchRegisters;
+  }();
+  if (flash_fp8 && used == 1 && producer_registers && ProducerKernelOnDevice()) {
+    static const cudaError_t producer_attr = cudaFuncSetAttribute(
+        ProducerAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kProducerSharedBytes));
+    if (producer_attr != cudaSuccess) {
+      return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(producer_attr));
+    }
+    ProducerAttentionKernel<<<dim3(static_cast<unsigned>(a.t), static_cast<unsigned>((a.n + kTcHeads - 1) / kTcHeads)),
+                              producer::kThreads, kProducerSharedBytes, stream>>>(
+        static_cast<const uint16_t*>(q), TableViews{{a.ring, a.fresh, a.comp}}, window_idx, a.w, comp_idx, a.x, sink,
+        static_cast<uint16_t*>(out), a.n, scale * kLog2e);
+    return LastCudaError("ProducerAttentionKernel");
+  }
   const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.n + kTcHeads - 1) / kTcHeads),
                   static_cast<unsigned>(used));
   const int64_t stage = TensorCoreStageStride(a);
