@@ -427,10 +427,14 @@ __device__ __forceinline__ void LowerRegisters() {
 // thread's index in its warpgroup), part p = i / 64. The left half (columns 0..255: scale blocks
 // 0..3) gives part p blocks 2p and 2p + 1; the right half (256..511: blocks 4..6, then the 64
 // bf16 rope values) gives part 0 blocks 4 and 5 and rope units 0 and 1, part 1 block 6 and rope
-// units 2..7 (160 bytes each; the left half's parts 128).
-struct FlashHalfPart {
-  uint4 bytes[10];   // the e4m3 values of its blocks (four units each), then its rope units
-  uint8_t scale[2];  // its blocks' E8M0 bytes
+// units 2..7. They come in two quarters, loaded and decoded one after the other, so that one is in
+// flight while the other is decoded: quarter 0 is the first block (four 16-byte units and its
+// E8M0 byte); quarter 1 the rest (the left half's second block; part 0's block 5 and rope units
+// 0 and 1; part 1's rope units 2..7).
+template <int kQuarter>
+struct FlashQuarter {
+  uint4 bytes[kQuarter == 0 ? 4 : 6];  // the e4m3 values of its block (if any), then its rope units
+  uint8_t scale;                       // its block's E8M0 byte
 };
 
 template <bool kRight>
@@ -438,44 +442,50 @@ __device__ __forceinline__ int FlashHalfFirstBlock(int part) {
   return kRight ? 4 + 2 * part : 2 * part;
 }
 
-template <bool kRight>
-__device__ __forceinline__ void LoadFlashHalf(Slot slot, const TableView* views, FlashHalfPart& raw) {
+// Whether quarter kQuarter of this part of the half has a scale block (the right half's part 1
+// has only block 6, in its quarter 0).
+template <bool kRight, int kQuarter>
+__device__ __forceinline__ bool FlashQuarterHasBlock(int part) {
+  return !(kRight && kQuarter == 1 && part == 1);
+}
+
+template <bool kRight, int kQuarter>
+__device__ __forceinline__ void LoadFlashQuarter(Slot slot, const TableView* views, FlashQuarter<kQuarter>& raw) {
   using namespace flash_fp8;
+  constexpr int kUnits = sizeof(raw.bytes) / sizeof(uint4);
   const int part = (threadIdx.x % 128) / kTileRowsFlash;  // warp-uniform
   // Every byte defined on every path (zeros for an empty slot, then masked anyway): otherwise the
   // previous tile's bytes stay live through the loads, as far as the compiler can tell.
 #pragma unroll
-  for (int k = 0; k < 10; ++k) raw.bytes[k] = make_uint4(0, 0, 0, 0);
-  raw.scale[0] = raw.scale[1] = 127;
+  for (int k = 0; k < kUnits; ++k) raw.bytes[k] = make_uint4(0, 0, 0, 0);
+  raw.scale = 127;
   if (slot.table < 0) return;
   const TableView& v = views[slot.table];
-  const int b0 = FlashHalfFirstBlock<kRight>(part);
-  const uint4* values = reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(v.values) +
-                                                       slot.row * kValues + kBlock * b0);
+  if (FlashQuarterHasBlock<kRight, kQuarter>(part)) {
+    const int block = FlashHalfFirstBlock<kRight>(part) + kQuarter;
+    const uint4* values = reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(v.values) +
+                                                         slot.row * kValues + kBlock * block);
 #pragma unroll
-  for (int b = 0; b < 2; ++b) {
-    if (b == 1 && kRight && part == 1) break;  // block 6 is the last
-#pragma unroll
-    for (int k = 0; k < kBlock / 16; ++k) raw.bytes[4 * b + k] = __ldg(values + kBlock / 16 * b + k);
-    raw.scale[b] = v.scales[slot.row * kScales + b0 + b];
+    for (int k = 0; k < kBlock / 16; ++k) raw.bytes[k] = __ldg(values + k);
+    raw.scale = v.scales[slot.row * kScales + block];
   }
-  if constexpr (kRight) {
+  if constexpr (kRight && kQuarter == 1) {
     const uint4* rope =
         reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(v.rope) + slot.row * (2 * kRope));
     if (part == 0) {
-      raw.bytes[8] = __ldg(rope);
-      raw.bytes[9] = __ldg(rope + 1);
+      raw.bytes[4] = __ldg(rope);
+      raw.bytes[5] = __ldg(rope + 1);
     } else {
 #pragma unroll
-      for (int u = 0; u < 6; ++u) raw.bytes[4 + u] = __ldg(rope + 2 + u);
+      for (int u = 0; u < 6; ++u) raw.bytes[u] = __ldg(rope + 2 + u);
     }
   }
 }
 
-// The decode of LoadFlashHalf's bytes into the tile `kv` (wgmma.h's core-matrix layout, 64
+// The decode of LoadFlashQuarter's bytes into the tile `kv` (wgmma.h's core-matrix layout, 64
 // chunks a row); an empty slot's row is stored as zeros (masked words, as DecodeFlashFp8Tile).
-template <bool kRight>
-__device__ __forceinline__ void DecodeFlashHalf(bool valid, const FlashHalfPart& raw, unsigned char* kv) {
+template <bool kRight, int kQuarter>
+__device__ __forceinline__ void DecodeFlashQuarter(bool valid, const FlashQuarter<kQuarter>& raw, unsigned char* kv) {
   using namespace flash_fp8;
   const int i = threadIdx.x % 128, r = i % kTileRowsFlash, part = i / kTileRowsFlash;
   const uint32_t keep = valid ? ~0u : 0u;
@@ -483,25 +493,23 @@ __device__ __forceinline__ void DecodeFlashHalf(bool valid, const FlashHalfPart&
     *reinterpret_cast<uint4*>(kv + CoreChunkOffset(r, c, kHead / 8)) =
         make_uint4(w.x & keep, w.y & keep, w.z & keep, w.w & keep);
   };
-  const int b0 = FlashHalfFirstBlock<kRight>(part);
-#pragma unroll
-  for (int b = 0; b < 2; ++b) {
-    if (b == 1 && kRight && part == 1) break;
-    const float scale = E8m0ToFloat(raw.scale[b]);
+  if (FlashQuarterHasBlock<kRight, kQuarter>(part)) {
+    const int block = FlashHalfFirstBlock<kRight>(part) + kQuarter;
+    const float scale = E8m0ToFloat(raw.scale);
 #pragma unroll
     for (int k = 0; k < kBlock / 16; ++k) {
-      const uint4 w = raw.bytes[4 * b + k];
-      store(kBlock / 8 * (b0 + b) + 2 * k, E4m3EightToBf16(make_uint2(w.x, w.y), scale));
-      store(kBlock / 8 * (b0 + b) + 2 * k + 1, E4m3EightToBf16(make_uint2(w.z, w.w), scale));
+      const uint4 w = raw.bytes[k];
+      store(kBlock / 8 * block + 2 * k, E4m3EightToBf16(make_uint2(w.x, w.y), scale));
+      store(kBlock / 8 * block + 2 * k + 1, E4m3EightToBf16(make_uint2(w.z, w.w), scale));
     }
   }
-  if constexpr (kRight) {
+  if constexpr (kRight && kQuarter == 1) {
     if (part == 0) {
-      store(kValues / 8, raw.bytes[8]);
-      store(kValues / 8 + 1, raw.bytes[9]);
+      store(kValues / 8, raw.bytes[4]);
+      store(kValues / 8 + 1, raw.bytes[5]);
     } else {
 #pragma unroll
-      for (int u = 0; u < 6; ++u) store(kValues / 8 + 2 + u, raw.bytes[4 + u]);
+      for (int u = 0; u < 6; ++u) store(kValues / 8 + 2 + u, raw.bytes[u]);
     }
   }
 }
@@ -543,8 +551,10 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
     // freed: A's left (warpgroup 0's own P V), B's right (warpgroup 1's), then A's right and B's
     // left (each the other's P V, near the end of the pair). One half's bytes are in registers at
     // a time (the computing warpgroups need 208 registers: at 200 ptxas serialises their wgmma),
-    // loaded as the half before it is decoded, so that it arrives while the free of its own half
-    // is awaited; kPrefetchL1 also asks L1 for the half after it then.
+    // as two quarters: each quarter is loaded as soon as the one before it in its register set
+    // (two quarters earlier) is decoded, so that it is in flight while the other set is decoded
+    // and while the free of its half is awaited (one half at a time left each load's latency
+    // between two decodes: the computing warpgroups then waited on the full barriers).
     LowerRegisters<kProducerRegisters>();
     const int i = threadIdx.x % 128, r = i % kRows;
     unsigned char* buffer_a = kv_s;
@@ -559,32 +569,42 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
       if (i < kRows) slots[m % kSlotRing][r] = slot;
       return slot;
     };
-    FlashHalfPart x;
+    FlashQuarter<0> x0;
+    FlashQuarter<1> x1;
     Slot a = resolve(0), b = resolve(1);
-    LoadFlashHalf<false>(a, views, x);
+    LoadFlashQuarter<false, 0>(a, views, x0);
+    LoadFlashQuarter<false, 1>(a, views, x1);
 #pragma unroll 1
     for (int64_t s = 0; s < pairs; ++s) {
       const bool again = s > 0, has_next = s + 1 < pairs;
       if (again) BarrierSync(FreeBarrier(0, 0), 256);
-      DecodeFlashHalf<false>(a.table >= 0, x, buffer_a);
-      LoadFlashHalf<true>(b, views, x);
+      DecodeFlashQuarter<false, 0>(a.table >= 0, x0, buffer_a);
+      LoadFlashQuarter<true, 0>(b, views, x0);
+      DecodeFlashQuarter<false, 1>(a.table >= 0, x1, buffer_a);
+      LoadFlashQuarter<true, 1>(b, views, x1);
       if (again) BarrierSync(FreeBarrier(1, 1), 256);
-      DecodeFlashHalf<true>(b.table >= 0, x, buffer_b);
-      LoadFlashHalf<true>(a, views, x);
+      DecodeFlashQuarter<true, 0>(b.table >= 0, x0, buffer_b);
+      LoadFlashQuarter<true, 0>(a, views, x0);
+      DecodeFlashQuarter<true, 1>(b.table >= 0, x1, buffer_b);
+      LoadFlashQuarter<true, 1>(a, views, x1);
       if (again) BarrierSync(FreeBarrier(0, 1), 256);
-      DecodeFlashHalf<true>(a.table >= 0, x, buffer_a);
+      DecodeFlashQuarter<true, 0>(a.table >= 0, x0, buffer_a);
+      LoadFlashQuarter<false, 0>(b, views, x0);
+      DecodeFlashQuarter<true, 1>(a.table >= 0, x1, buffer_a);
       FenceSharedForAsyncProxy();  // read by warpgroup 0's wgmma
       BarrierArrive(kFull0, 256);
-      LoadFlashHalf<false>(b, views, x);
+      LoadFlashQuarter<false, 1>(b, views, x1);
       if (has_next) {  // (tiles 2s - 2 and 2s - 1 are past their softmax: their frees were synced)
         a = resolve(2 * s + 2);
       }
       if (again) BarrierSync(FreeBarrier(1, 0), 256);
-      DecodeFlashHalf<false>(b.table >= 0, x, buffer_b);
+      DecodeFlashQuarter<false, 0>(b.table >= 0, x0, buffer_b);
+      if (has_next) LoadFlashQuarter<false, 0>(a, views, x0);
+      DecodeFlashQuarter<false, 1>(b.table >= 0, x1, buffer_b);
       FenceSharedForAsyncProxy();  // read by warpgroup 1's wgmma
       BarrierArrive(kFull1, 256);
       if (has_next) {
-        LoadFlashHalf<false>(a, views, x);
+        LoadFlashQuarter<false, 1>(a, views, x1);
         b = resolve(2 * s + 3);
       }
     }
