@@ -1072,18 +1072,6 @@ constexpr decltype(&IndexerTopkKernel<Scorer::kScalar, 1>) kTopkKernels[] = {
     IndexerTopkKernel<Scorer::kMmaIndexFp4, 1>};
 constexpr auto kPairedTopkKernel = IndexerTopkKernel<Scorer::kMmaIndexFp4, kMaxPairedQueries>;
 
-// Whether the current device runs the SM90a code (kWgmmaCompiled there): compute capability 9
-// (the build's 90a; an SM120 device runs its 120a code).
-bool WgmmaOnDevice() {
-  int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return major == 9;
-}
-
 ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer key_values,
                            ffi::AnyBuffer key_scales, ffi::AnyBuffer key_rope, ffi::Buffer<ffi::S32> page_table,
                            ffi::Buffer<ffi::S32> limit, ffi::Result<ffi::Buffer<ffi::S32>> ids,

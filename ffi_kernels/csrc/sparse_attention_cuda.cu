@@ -361,6 +361,23 @@ __device__ void MergeClusterParts(const float* o_s, const float2* ml_s, uint16_t
   cluster.sync();
 }
 
+// A warpgroup's P (bf16 A fragments of its S accumulators: register e of k-step ks holds heads
+// row_lo (e even) or row_hi, rows 16 ks + 8 (e / 2) + 2c and + 1) into its core-matrix tile
+// [64 heads][kRowsP rows] in shared memory, fenced for the other warpgroup's wgmma.
+template <int kRowsP>
+__device__ __forceinline__ void StorePTile(const uint32_t (&p_frag)[kRowsP / 16][4], int row_lo, int row_hi, int c,
+                                           unsigned char* p_tile) {
+#pragma unroll
+  for (int ks = 0; ks < kRowsP / 16; ++ks) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      *reinterpret_cast<uint32_t*>(p_tile + CoreChunkOffset(e % 2 ? row_hi : row_lo, 2 * ks + e / 2, kRowsP / 8) +
+                                   4 * c) = p_frag[ks][e];
+    }
+  }
+  FenceSharedForAsyncProxy();
+}
+
 // ---------------------------------------------------------------- producer warpgroup
 //
 // ProducerAttentionKernel: the alternating-tile schedule of the FLASH FP8 wgmma code (SM90a, one
@@ -738,19 +755,7 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
     }
     if (c == 0) max_s[wg][row_lo] = m_lo, max_s[wg][row_hi] = m_hi;
     BarrierArrive(wg == 0 ? kMaxA : kMaxB, 256);
-    // This warpgroup's P into its core-matrix tile [64 heads][64 rows] for the other's wgmma:
-    // register e of k-step ks holds heads row_lo (e even) or row_hi, rows 16 ks + 8 (e / 2) + 2c, +1.
-    auto store_p = [&]() {
-#pragma unroll
-      for (int ks = 0; ks < kRows / 16; ++ks) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          *reinterpret_cast<uint32_t*>(p_own + CoreChunkOffset(e % 2 ? row_hi : row_lo, 2 * ks + e / 2, kPChunks) +
-                                       4 * c) = p_frag[ks][e];
-        }
-      }
-      FenceSharedForAsyncProxy();  // read by the other warpgroup's wgmma
-    };
+    auto store_p = [&]() { StorePTile<kRows>(p_frag, row_lo, row_hi, c, p_own); };
     // O += P V over this warpgroup's columns of the other's tile; then that half of the other's
     // buffer is free.
     auto other_products = [&]() {
@@ -1091,18 +1096,8 @@ __global__ void __launch_bounds__(kTcThreads)
       max_hi = fmaxf(max_hi, max_s[(half ^ 1) * kTcHeads + row_hi]);
       uint32_t p_frag[kTile / 16][4];
       exponentiate(sc, max_lo, max_hi, p_frag);
-      // This warpgroup's P into its core-matrix tile for the other warpgroup: register i of
-      // k-step ks holds heads row_lo (i even) or row_hi, rows 16 ks + 8 (i / 2) + 2c and + 1.
-#pragma unroll
-      for (int ks = 0; ks < kTile / 16; ++ks) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          *reinterpret_cast<uint32_t*>(p_own + CoreChunkOffset(i % 2 ? row_hi : row_lo, 2 * ks + i / 2, kPChunks) +
-                                       4 * c) = p_frag[ks][i];
-        }
-      }
-      FenceSharedForAsyncProxy();  // read by the other warpgroup's wgmma
-      __syncthreads();             // both warpgroups' P
+      StorePTile<kTile>(p_frag, row_lo, row_hi, c, p_own);
+      __syncthreads();  // both warpgroups' P
 
       // O += P V for this warpgroup's 256 columns over all 64 rows (V: the tile read with its
       // rows along K, an MN-major operand; a k-step is 16 rows, two 8-row groups). Left in
@@ -1354,18 +1349,6 @@ bool TensorCoreServes(const AttentionArgs& a) {
   return TensorCoreSharedBytes(a.h, TensorCoreStageStride(a), TensorCoreTileRows(a)) <= TensorCoreSharedLimit();
 }
 
-// Whether the current device runs the SM90a code (compute capability 9; an SM120 device runs
-// its 120a code), where ProducerAttentionKernel has a body.
-bool ProducerKernelOnDevice() {
-  int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return major == 9;
-}
-
 ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const void* q, const int32_t* window_idx,
                             const int32_t* comp_idx, const float* sink, void* out, float* split_o, float* split_ml,
                             float scale) {
@@ -1398,7 +1381,7 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
     if (!ok) (void)cudaGetLastError();
     return ok && f.numRegs == producer::kLaunchRegisters;
   }();
-  if (flash_fp8 && used == 1 && producer_registers && ProducerKernelOnDevice()) {
+  if (flash_fp8 && used == 1 && producer_registers && WgmmaOnDevice()) {
     static const cudaError_t producer_attr = cudaFuncSetAttribute(
         ProducerAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kProducerSharedBytes));
     if (producer_attr != cudaSuccess) {

@@ -32,6 +32,18 @@ constexpr bool kWgmmaCompiled = true;
 constexpr bool kWgmmaCompiled = false;
 #endif
 
+// Host: whether the current device runs this build's SM90a code, where the kWgmmaCompiled paths
+// have their bodies: compute capability 9 (the build's 90a; an SM120 device runs its 120a code).
+inline bool WgmmaOnDevice() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return major == 9;
+}
+
 // Byte offset of row r's 16-byte chunk c in a core-matrix layout of `chunks` chunks a row.
 __device__ __forceinline__ int CoreChunkOffset(int r, int c, int chunks) {
   return ((r / 8) * chunks + c) * 128 + (r % 8) * 16;
