@@ -361,6 +361,14 @@ __device__ void MergeClusterParts(const float* o_s, const float2* ml_s, uint16_t
   cluster.sync();
 }
 
+// The P V products of both FLASH FP8 wgmma kernels, over a warpgroup's 256 columns of O: P from
+// the warpgroup's own registers (its own tile) or from the other's shared-memory P tile, V the
+// decoded tile read with its rows along K (MN-major).
+using OwnPvAtom = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
+                                                                cute::SM90::GMMA::Major::MN>;
+using OtherPvAtom = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                                  cute::SM90::GMMA::Major::MN>;
+
 // A warpgroup's P (bf16 A fragments of its S accumulators: register e of k-step ks holds heads
 // row_lo (e even) or row_hi, rows 16 ks + 8 (e / 2) + 2c and + 1) into its core-matrix tile
 // [64 heads][kRowsP rows] in shared memory, fenced for the other warpgroup's wgmma.
@@ -650,10 +658,6 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
 
   using ScoreAtom = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
                                                                  cute::SM90::GMMA::Major::K>;
-  using OwnAtom = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
-                                                                cute::SM90::GMMA::Major::MN>;
-  using OtherAtom = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
-                                                                  cute::SM90::GMMA::Major::MN>;
   const int64_t head_lo = head0 + group * 16 + g, head_hi = head_lo + 8;
   const int row_lo = group * 16 + g, row_hi = row_lo + 8;  // this thread's heads in the block
   float m_lo = head_lo < n_n ? sink[head_lo] * kLog2e : 0.0f;
@@ -763,7 +767,7 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
       cute::warpgroup_arrive();
 #pragma unroll
       for (int ks = 0; ks < kRows / 16; ++ks) {
-        WgmmaSs<OtherAtom>(WgmmaDescriptorAt(p_other, ks * 2 * 128), WgmmaDescriptorAt(v_other, ks * 2 * kGroupBytes),
+        WgmmaSs<OtherPvAtom>(WgmmaDescriptorAt(p_other, ks * 2 * 128), WgmmaDescriptorAt(v_other, ks * 2 * kGroupBytes),
                            o_acc, true);
       }
       cute::warpgroup_commit_batch();
@@ -787,7 +791,7 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
     cute::warpgroup_arrive();
 #pragma unroll
     for (int ks = 0; ks < kRows / 16; ++ks) {
-      WgmmaRs<OwnAtom>(p_frag[ks], WgmmaDescriptorAt(v_own, ks * 2 * kGroupBytes), o_acc, true);
+      WgmmaRs<OwnPvAtom>(p_frag[ks], WgmmaDescriptorAt(v_own, ks * 2 * kGroupBytes), o_acc, true);
     }
     cute::warpgroup_commit_batch();
     if (wg == 0) {
@@ -1038,10 +1042,6 @@ __global__ void __launch_bounds__(kTcThreads)
     // 32-row part is held at a time); one block barrier a tile hands the buffers over.
     using ScoreAtom = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
                                                                    cute::SM90::GMMA::Major::K>;
-    using OwnAtom = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
-                                                                  cute::SM90::GMMA::Major::MN>;
-    using OtherAtom = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
-                                                                    cute::SM90::GMMA::Major::MN>;
     // Core matrices of q and the tiles: 128 bytes apart along K (a row's next chunk), kGroupBytes
     // along M / N; of P [64 heads][32 rows]: 128 bytes along K, kPGroupBytes along M.
     constexpr int kChunks = flash_fp8::kHead / 8, kGroupBytes = kChunks * 128;
@@ -1107,12 +1107,12 @@ __global__ void __launch_bounds__(kTcThreads)
       cute::warpgroup_arrive();
 #pragma unroll
       for (int ks = 0; ks < kTile / 16; ++ks) {
-        WgmmaRs<OwnAtom>(p_frag[ks], WgmmaDescriptorAt(v_half, (wg * kTile / 16 + ks) * 2 * kGroupBytes), o_acc,
+        WgmmaRs<OwnPvAtom>(p_frag[ks], WgmmaDescriptorAt(v_half, (wg * kTile / 16 + ks) * 2 * kGroupBytes), o_acc,
                          true);
       }
 #pragma unroll
       for (int ks = 0; ks < kTile / 16; ++ks) {
-        WgmmaSs<OtherAtom>(WgmmaDescriptorAt(p_other, ks * 2 * 128),
+        WgmmaSs<OtherPvAtom>(WgmmaDescriptorAt(p_other, ks * 2 * 128),
                            WgmmaDescriptorAt(v_half, ((wg ^ 1) * kTile / 16 + ks) * 2 * kGroupBytes), o_acc, true);
       }
       cute::warpgroup_commit_batch();
