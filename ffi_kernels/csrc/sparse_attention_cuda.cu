@@ -197,6 +197,10 @@ constexpr int kMaxClusterParts = 8;      // split parts merged on chip (the port
 // [2][64] f32 (wgmma).
 constexpr int64_t kExchangeBytes = kTcWarps * kScoreBlocks * 32 * sizeof(float4);
 static_assert(2 * kTcHeads * kTile * 2 + 2 * kTcHeads * 4 <= kExchangeBytes, "the wgmma exchange fits");
+// The cluster merge's f32 o_s takes the q and tile rows' room (64 + 2 * 32 >= 2 * 64 bf16 rows);
+// its (m, l) pairs and weights the exchange's.
+static_assert(kTcHeads <= 2 * kTile && kTcHeads * (sizeof(float2) + kMaxClusterParts * sizeof(float)) <= kExchangeBytes,
+              "the cluster merge fits");
 int64_t TensorCoreSharedBytes(int64_t h, int64_t stage, int64_t rows) {
   return (kTcHeads + 2 * rows) * (h + kPad) * 2 + kTile * stage + kTile * kMaxScales + kExchangeBytes;
 }
@@ -327,36 +331,66 @@ __device__ __forceinline__ void DecodeFlashFp8Tile(const Slot* tile, const Flash
   *chunk(r, kValues / 8 + part) = masked(raw.rope);
 }
 
-// The on-chip merge of a cluster's split parts (the file comment): out = sum_s 2^(m_s - M) o_s /
-// sum_s 2^(m_s - M) l_s with M = max_s m_s, in CombineSplitsKernel's order. Each block has put
-// its part in its own shared memory (o_s: [kTcHeads][h + kPad] f32; ml_s: [kTcHeads] (m, l));
-// block s of the S writes the rows' float4 units s, s + S, ... of the block's heads, reading
-// every part's through the cluster. The cluster barriers make the parts visible before the
-// merge and keep every block's shared memory alive until its peers have read it.
-__device__ void MergeClusterParts(const float* o_s, const float2* ml_s, uint16_t* out, int64_t t, int64_t head0,
-                                  int64_t n_n, int h_n) {
+// The on-chip merge of a cluster's split parts (the file comment): out = sum_s w_s o_s with
+// w_s = 2^(m_s - M) / sum_s' 2^(m_s' - M) l_s' and M = max_s m_s. Each block has put its part in
+// its own shared memory (o_s: [kTcHeads][h + kPad] f32; ml_s: [kTcHeads] (m, l)); the weights of
+// a row are computed once, by one thread a row into this block's weight_s ([kMaxClusterParts]
+// [kTcHeads] f32, not read by the peers), and block s of the S then writes the rows' 8-column
+// units s, s + S, ... of the block's heads, each unit's loads from all parts issued together.
+// (Written per float4 unit with the weights recomputed in it, a unit's loads waited on one
+// another and on the previous unit's store, which might alias them: ~11 us of a 38-us C64 decode
+// call on an H200, a quarter of its stall samples.) The cluster barriers make the parts visible
+// before the merge and keep every block's shared memory alive until its peers have read it.
+__device__ void MergeClusterParts(const float* o_s, const float2* ml_s, float* weight_s, uint16_t* out, int64_t t,
+                                  int64_t head0, int64_t n_n, int h_n) {
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
   const int parts = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
-  const int units_per_row = h_n / 4, ld = h_n + kPad;
-  for (int u = rank * kTcThreads + threadIdx.x; u < kTcHeads * units_per_row; u += parts * kTcThreads) {
-    const int r = u / units_per_row, k = 4 * (u % units_per_row);
-    const int64_t head = head0 + r;
-    if (head >= n_n) continue;
+  if (threadIdx.x < kTcHeads) {
+    const int r = threadIdx.x;
+    float2 ml[kMaxClusterParts];
     float big = kEmptyMax;
-    for (int p = 0; p < parts; ++p) big = fmaxf(big, cluster.map_shared_rank(ml_s, p)[r].x);
-    float denom = 0.0f;
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int p = 0; p < parts; ++p) {
-      const float2 ml = cluster.map_shared_rank(ml_s, p)[r];
-      const float wp = exp2f(ml.x - big);
-      denom += wp * ml.y;
-      const float4 o = *reinterpret_cast<const float4*>(cluster.map_shared_rank(o_s, p) + r * ld + k);
-      acc.x += wp * o.x, acc.y += wp * o.y, acc.z += wp * o.z, acc.w += wp * o.w;
+#pragma unroll
+    for (int p = 0; p < kMaxClusterParts; ++p) {
+      if (p < parts) ml[p] = cluster.map_shared_rank(ml_s, p)[r], big = fmaxf(big, ml[p].x);
     }
-    *reinterpret_cast<uint2*>(out + (t * n_n + head) * h_n + k) =
-        make_uint2(PackBf16(acc.x / denom, acc.y / denom), PackBf16(acc.z / denom, acc.w / denom));
+    float denom = 0.0f;
+#pragma unroll
+    for (int p = 0; p < kMaxClusterParts; ++p) {
+      if (p < parts) ml[p].x = exp2f(ml[p].x - big), denom += ml[p].x * ml[p].y;
+    }
+    const float inverse = 1.0f / denom;  // > 0 for a head's row: part 0 carries the sink
+#pragma unroll
+    for (int p = 0; p < kMaxClusterParts; ++p) {
+      if (p < parts) weight_s[p * kTcHeads + r] = ml[p].x * inverse;
+    }
+  }
+  __syncthreads();
+  const int units_per_row = h_n / 8, ld = h_n + kPad;
+  for (int u = rank * kTcThreads + threadIdx.x; u < kTcHeads * units_per_row; u += parts * kTcThreads) {
+    const int r = u / units_per_row, k = 8 * (u % units_per_row);
+    if (head0 + r >= n_n) continue;
+    float4 lo[kMaxClusterParts], hi[kMaxClusterParts];
+#pragma unroll
+    for (int p = 0; p < kMaxClusterParts; ++p) {
+      if (p < parts) {
+        const float4* unit = reinterpret_cast<const float4*>(cluster.map_shared_rank(o_s, p) + r * ld + k);
+        lo[p] = unit[0], hi[p] = unit[1];
+      }
+    }
+    float acc[8] = {};
+#pragma unroll
+    for (int p = 0; p < kMaxClusterParts; ++p) {
+      if (p < parts) {
+        const float w = weight_s[p * kTcHeads + r];
+        acc[0] += w * lo[p].x, acc[1] += w * lo[p].y, acc[2] += w * lo[p].z, acc[3] += w * lo[p].w;
+        acc[4] += w * hi[p].x, acc[5] += w * hi[p].y, acc[6] += w * hi[p].z, acc[7] += w * hi[p].w;
+      }
+    }
+    *reinterpret_cast<uint4*>(out + (t * n_n + head0 + r) * h_n + k) =
+        make_uint4(PackBf16(acc[0], acc[1]), PackBf16(acc[2], acc[3]), PackBf16(acc[4], acc[5]),
+                   PackBf16(acc[6], acc[7]));
   }
   cluster.sync();
 }
@@ -644,7 +678,8 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = warp % 4, g = lane / 4, c = lane % 4;
   for (int e = threadIdx.x; e < kTcHeads * kChunks; e += 2 * 128) {
-    const int row = e / kChunks, k = e % kChunks;
+    int row, k;
+    CoreLayoutCopyOrder(e, kChunks, row, k);
     void* dst = q_s + CoreChunkOffset(row, k, kChunks);
     if (head0 + row < n_n) {
       CopyAsync16(dst, q + (t * n_n + head0 + row) * kH + 8 * k);
@@ -888,7 +923,9 @@ __global__ void __launch_bounds__(kTcThreads)
   const int64_t end = min(total, first + rows_per_split);
   if (threadIdx.x < 3) views[threadIdx.x] = tables.t[threadIdx.x];
   for (int e = threadIdx.x; e < kTcHeads * chunks; e += kTcThreads) {  // lands with the first tile
-    const int r = e / chunks, k = 8 * (e % chunks);
+    int r = e / chunks, c = e % chunks;
+    if constexpr (kWgmma) CoreLayoutCopyOrder(e, chunks, r, c);
+    const int k = 8 * c;
     const int64_t head = head0 + r;
     void* dst = kWgmma ? static_cast<void*>(reinterpret_cast<unsigned char*>(q_s) + CoreChunkOffset(r, k / 8, chunks))
                        : static_cast<void*>(q_s + r * ld + k);
@@ -1211,6 +1248,7 @@ __global__ void __launch_bounds__(kTcThreads)
     __syncthreads();  // every thread's copies landed: the tiles' shared memory is free
     float* o_s = reinterpret_cast<float*>(smem);                      // [kTcHeads][h + kPad]
     float2* ml_s = reinterpret_cast<float2*>(o_s + kTcHeads * ld);    // [kTcHeads]
+    float* weight_s = reinterpret_cast<float*>(ml_s + kTcHeads);      // [kMaxClusterParts][kTcHeads]
 #pragma unroll
     for (int b = 0; b < kMaxOutBlocks; ++b) {
       if (b >= out_blocks) break;
@@ -1222,7 +1260,7 @@ __global__ void __launch_bounds__(kTcThreads)
       ml_s[row_lo] = {m_lo, l_lo};
       ml_s[row_hi] = {m_hi, l_hi};
     }
-    MergeClusterParts(o_s, ml_s, out, t, head0, n_n, h_n);
+    MergeClusterParts(o_s, ml_s, weight_s, out, t, head0, n_n, h_n);
     return;
   }
   if (gridDim.z > 1) {  // a split part: unnormalised output, max and denominator

@@ -49,6 +49,16 @@ __device__ __forceinline__ int CoreChunkOffset(int r, int c, int chunks) {
   return ((r / 8) * chunks + c) * 128 + (r % 8) * 16;
 }
 
+// The row and chunk that copy number e of a [rows][chunks] matrix into the core-matrix layout
+// takes (rows a multiple of 8): eight consecutive copies take one chunk of a core matrix's eight
+// rows, so that a warp's 32 16-byte stores fill 512 contiguous bytes of shared memory while its
+// loads read 64 contiguous bytes of each of eight rows. (Taken row by row, a warp's stores were
+// 128 bytes apart: eight-way bank conflicts, 8x the wavefronts of the copy of attention's q.)
+__device__ __forceinline__ void CoreLayoutCopyOrder(int e, int chunks, int& row, int& chunk) {
+  row = e / (8 * chunks) * 8 + e % 8;
+  chunk = e / 8 % chunks;
+}
+
 // The descriptor of a no-swizzle operand at `start` (16-byte aligned shared memory): core
 // matrices `k_bytes` apart along K and `mn_bytes` apart along M or N.
 __device__ __forceinline__ uint64_t WgmmaDescriptor(const void* start, uint32_t k_bytes, uint32_t mn_bytes) {
