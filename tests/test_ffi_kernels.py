@@ -212,6 +212,16 @@ def test_fp8_attention_unsplit_over_odd_and_even_tile_counts_matches_the_referen
                           comp_slots=comp_slots, q_scale=8.0)
 
 
+def test_fp8_attention_unsplit_over_more_queries_than_multiprocessors_matches_the_reference(monkeypatch):
+    # One part a query, the model's FP8 layout, 300 queries: more than an H200's 132
+    # multiprocessors, so that a persistent CUDA kernel (one block a multiprocessor, over queries
+    # b, b + 132, ...) carries its slot ring and tile buffers from one query to the next; 40
+    # window plus 120 pool slots are three 64-row tiles (two pairs, the last tile empty).
+    monkeypatch.setattr(attn_ffi, "split_parts", lambda q, slots: 1)
+    _check_bf16_attention(np.random.default_rng(300), EntryFormat.KV_FP8, 64, 512, 64, 300, comp_rows=600,
+                          comp_slots=120, q_scale=4.0)
+
+
 @pytest.mark.parametrize("ring_fmt, fresh_fmt, pool_fmt", [
     (EntryFormat.KV_FP8, EntryFormat.DENSE, EntryFormat.KV_FP8),  # FP8 ring and pool, bf16 fresh rows
     (EntryFormat.DENSE, EntryFormat.DENSE, EntryFormat.KV_FP8),   # bf16 window, FP8 pool
