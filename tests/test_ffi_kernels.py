@@ -212,14 +212,18 @@ def test_fp8_attention_unsplit_over_odd_and_even_tile_counts_matches_the_referen
                           comp_slots=comp_slots, q_scale=8.0)
 
 
-def test_fp8_attention_unsplit_over_more_queries_than_multiprocessors_matches_the_reference(monkeypatch):
-    # One part a query, the model's FP8 layout, 300 queries: more than an H200's 132
-    # multiprocessors, so that a persistent CUDA kernel (one block a multiprocessor, over queries
-    # b, b + 132, ...) carries its slot ring and tile buffers from one query to the next; 40
-    # window plus 120 pool slots are three 64-row tiles (two pairs, the last tile empty).
+@pytest.mark.parametrize("n, t, comp_slots", [(64, 300, 120), (70, 300, 400), (64, 133, 20)])
+def test_fp8_attention_unsplit_over_more_queries_than_multiprocessors_matches_the_reference(
+        monkeypatch, n, t, comp_slots):
+    # One part a query, the model's FP8 layout, more (query, 64-head) items than an H200's 132
+    # multiprocessors, so that a persistent CUDA kernel (one block a multiprocessor, over items
+    # b, b + 132, ...) carries its slot ring and tile buffers from one item to the next: 40
+    # window plus 120 pool slots are three 64-row tiles (two pairs, the last tile empty); 70
+    # heads make two items a query (the second with 6 heads) over 7 tiles; 133 queries of one
+    # tile give block 0 alone a second item.
     monkeypatch.setattr(attn_ffi, "split_parts", lambda q, slots: 1)
-    _check_bf16_attention(np.random.default_rng(300), EntryFormat.KV_FP8, 64, 512, 64, 300, comp_rows=600,
-                          comp_slots=120, q_scale=4.0)
+    _check_bf16_attention(np.random.default_rng(t + comp_slots), EntryFormat.KV_FP8, n, 512, 64, t, comp_rows=600,
+                          comp_slots=comp_slots, q_scale=4.0)
 
 
 @pytest.mark.parametrize("ring_fmt, fresh_fmt, pool_fmt", [
