@@ -216,8 +216,9 @@ def test_fp8_attention_unsplit_over_odd_and_even_tile_counts_matches_the_referen
 def test_fp8_attention_unsplit_over_more_queries_than_multiprocessors_matches_the_reference(
         monkeypatch, n, t, comp_slots):
     # One part a query, the model's FP8 layout, more (query, 64-head) items than an H200's 132
-    # multiprocessors, so that a persistent CUDA kernel (one block a multiprocessor, over items
-    # b, b + 132, ...) carries its slot ring and tile buffers from one item to the next: 40
+    # multiprocessors: the case in which a persistent CUDA kernel (one block a multiprocessor,
+    # over items b, b + 132, ...; bench/experiments/2026-12-04_attention_producer_persistent.patch)
+    # carries its slot ring and tile buffers from one item to the next: 40
     # window plus 120 pool slots are three 64-row tiles (two pairs, the last tile empty); 70
     # heads make two items a query (the second with 6 heads) over 7 tiles; 133 queries of one
     # tile give block 0 alone a second item.
