@@ -921,6 +921,18 @@ __global__ void __launch_bounds__(kTcThreads)
 
   const int64_t total = w_n + x_n, first = blockIdx.z * rows_per_split;
   const int64_t end = min(total, first + rows_per_split);
+  // Row r < kRows of tiles 0 .. 2: their stored indices loaded first, so that the chain index ->
+  // slot -> tile load -> decode starts ahead of q's copies (which the slots do not wait for);
+  // next_index: the stored index of row r of the next tile to resolve (tile 3's here).
+  int32_t first_index[kSlotBuffers - 1];
+  int32_t next_index = -1;
+  if (threadIdx.x < kRows) {
+#pragma unroll
+    for (int d = 0; d < kSlotBuffers - 1; ++d) {
+      first_index[d] = SlotIndex(first + d * kRows + threadIdx.x, end, w_n, w_idx, x_idx);
+    }
+    next_index = SlotIndex(first + (kSlotBuffers - 1) * kRows + threadIdx.x, end, w_n, w_idx, x_idx);
+  }
   if (threadIdx.x < 3) views[threadIdx.x] = tables.t[threadIdx.x];
   for (int e = threadIdx.x; e < kTcHeads * chunks; e += kTcThreads) {  // lands with the first tile
     int r = e / chunks, c = e % chunks;
@@ -975,7 +987,6 @@ __global__ void __launch_bounds__(kTcThreads)
   auto decoded_tile = [&](int i) { return kv_s + (i % 2) * kRows * row_elems; };  // tile i's buffer
   // Tile n + 3's slots (buffer n - 1's: its mask was used in iteration n - 1), by threads < kRows,
   // each from the index it loaded an iteration earlier.
-  int32_t next_index = -1;  // thread r < kRows: the stored index of row r of the next tile to resolve
   auto resolve_ahead = [&](int64_t base, int n) {
     if (threadIdx.x < kRows) {
       const int64_t j = base + (kSlotBuffers - 1) * kRows + threadIdx.x;
@@ -988,11 +999,9 @@ __global__ void __launch_bounds__(kTcThreads)
   if (threadIdx.x < kRows) {
 #pragma unroll
     for (int d = 0; d < kSlotBuffers - 1; ++d) {
-      const int64_t j = first + d * kRows + threadIdx.x;
-      slots[d][threadIdx.x] = SlotOf(j, SlotIndex(j, end, w_n, w_idx, x_idx), w_n, views[0].rows, views[1].rows,
-                                     views[2].rows);
+      slots[d][threadIdx.x] = SlotOf(first + d * kRows + threadIdx.x, first_index[d], w_n, views[0].rows,
+                                     views[1].rows, views[2].rows);
     }
-    next_index = SlotIndex(first + (kSlotBuffers - 1) * kRows + threadIdx.x, end, w_n, w_idx, x_idx);
   }
   __syncthreads();  // tiles 0 .. 2 resolved
 
