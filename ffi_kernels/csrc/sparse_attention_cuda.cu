@@ -420,6 +420,29 @@ __device__ __forceinline__ void StorePTile(const uint32_t (&p_frag)[kRowsP / 16]
   FenceSharedForAsyncProxy();
 }
 
+// Query t's q rows for heads head0 .. head0 + kTcHeads - 1 (h values each) into q_s by `cp.async`,
+// copied by the block's threads `thread` = first, first + 1, ... in steps of `threads`; rows past
+// the last head (head0 + r >= n_n) are zeros. kCoreLayout: wgmma.h's core-matrix layout, in
+// CoreLayoutCopyOrder (a warp's stores fill 512 contiguous bytes: no bank conflicts); otherwise
+// rows of ld values. The caller commits and waits.
+template <bool kCoreLayout>
+__device__ __forceinline__ void CopyQHeads(const uint16_t* q, int64_t t, int64_t head0, int64_t n_n, int h, int ld,
+                                           void* q_s, int thread, int threads) {
+  const int chunks = h / 8;  // 16-byte chunks a row
+  for (int e = thread; e < kTcHeads * chunks; e += threads) {
+    int r = e / chunks, c = e % chunks;
+    if constexpr (kCoreLayout) CoreLayoutCopyOrder(e, chunks, r, c);
+    void* dst = kCoreLayout ? static_cast<void*>(static_cast<unsigned char*>(q_s) + CoreChunkOffset(r, c, chunks))
+                            : static_cast<void*>(static_cast<uint16_t*>(q_s) + r * ld + 8 * c);
+    const int64_t head = head0 + r;
+    if (head < n_n) {
+      CopyAsync16(dst, q + (t * n_n + head) * h + 8 * c);
+    } else {
+      *static_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
 // ---------------------------------------------------------------- producer warpgroup
 //
 // ProducerAttentionKernel: the alternating-tile schedule of the FLASH FP8 wgmma code (SM90a, one
@@ -677,16 +700,7 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
   RaiseRegisters<kComputeRegisters>();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = warp % 4, g = lane / 4, c = lane % 4;
-  for (int e = threadIdx.x; e < kTcHeads * kChunks; e += 2 * 128) {
-    int row, k;
-    CoreLayoutCopyOrder(e, kChunks, row, k);
-    void* dst = q_s + CoreChunkOffset(row, k, kChunks);
-    if (head0 + row < n_n) {
-      CopyAsync16(dst, q + (t * n_n + head0 + row) * kH + 8 * k);
-    } else {
-      *static_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-    }
-  }
+  CopyQHeads<true>(q, t, head0, n_n, kH, 0, q_s, threadIdx.x, 2 * 128);
   CopyAsyncCommitAndWaitAll();
   FenceSharedForAsyncProxy();  // q (and its zero rows) read by wgmma
   BarrierSync(kCompute, 256);  // q landed
@@ -934,19 +948,7 @@ __global__ void __launch_bounds__(kTcThreads)
     next_index = SlotIndex(first + (kSlotBuffers - 1) * kRows + threadIdx.x, end, w_n, w_idx, x_idx);
   }
   if (threadIdx.x < 3) views[threadIdx.x] = tables.t[threadIdx.x];
-  for (int e = threadIdx.x; e < kTcHeads * chunks; e += kTcThreads) {  // lands with the first tile
-    int r = e / chunks, c = e % chunks;
-    if constexpr (kWgmma) CoreLayoutCopyOrder(e, chunks, r, c);
-    const int k = 8 * c;
-    const int64_t head = head0 + r;
-    void* dst = kWgmma ? static_cast<void*>(reinterpret_cast<unsigned char*>(q_s) + CoreChunkOffset(r, k / 8, chunks))
-                       : static_cast<void*>(q_s + r * ld + k);
-    if (head < n_n) {
-      CopyAsync16(dst, q + (t * n_n + head) * h_n + k);
-    } else {
-      *static_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-    }
-  }
+  CopyQHeads<kWgmma>(q, t, head0, n_n, h_n, ld, q_s, threadIdx.x, kTcThreads);  // lands with the first tile
   static_assert(!kFlashFp8 || kFixedH == flash_fp8::kHead, "the FLASH FP8 layout decodes to 512 values");
   uint8_t scale_regs[kScaleLoads];  // this thread's scale bytes of the tile being staged
   FlashFp8Part raw;                 // FLASH FP8: this thread's bytes of the 32 rows being staged
