@@ -510,9 +510,13 @@ def test_full_queue_is_resource_exhausted_and_duplicate_ids_already_exist(mock):
         try:
             first = pool.submit(collect, mock.stub, ids_request([3], "A", max_tokens=3))
             assert mock.runner.entered.wait(10)  # A is inside a held step; what follows waits in the inbox
-            calls = {rid: pool.submit(collect, mock.stub, ids_request([4], rid, max_tokens=3))
-                     for rid in ("B", "C", "D", "A")}
-            wait_for(lambda: mock.loop.open_streams == 5, what="the submissions to reach the loop")
+            # One at a time, each in the loop's inbox before the next is sent (the count and the
+            # inbox move under one lock), so that B and C are first: sent together, the pool's
+            # threads could deliver D before C (seen once in CI on two loaded cores).
+            calls = {}
+            for open_streams, rid in enumerate(("B", "C", "D", "A"), start=2):
+                calls[rid] = pool.submit(collect, mock.stub, ids_request([4], rid, max_tokens=3))
+                wait_for(lambda: mock.loop.open_streams == open_streams, what=f"{rid} to reach the loop")
         finally:
             mock.runner.gate.set()
         assert first.result()[0] == expected((3,), 3)
