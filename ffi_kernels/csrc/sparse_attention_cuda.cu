@@ -565,15 +565,14 @@ __device__ __forceinline__ void LoadFlashQuarter(Slot slot, const TableView* vie
 }
 
 // The decode of LoadFlashQuarter's bytes into the tile `kv` (wgmma.h's core-matrix layout, 64
-// chunks a row); an empty slot's row is stored as zeros (masked words, as DecodeFlashFp8Tile).
+// chunks a row). An empty slot's row comes out as zeros with no mask: its bytes were loaded as
+// zeros and its scale as 1.
 template <bool kRight, int kQuarter>
-__device__ __forceinline__ void DecodeFlashQuarter(bool valid, const FlashQuarter<kQuarter>& raw, unsigned char* kv) {
+__device__ __forceinline__ void DecodeFlashQuarter(const FlashQuarter<kQuarter>& raw, unsigned char* kv) {
   using namespace flash_fp8;
   const int i = threadIdx.x % 128, r = i % kTileRowsFlash, part = i / kTileRowsFlash;
-  const uint32_t keep = valid ? ~0u : 0u;
   auto store = [&](int c, uint4 w) {  // row r's chunk c (values 8c .. 8c + 7)
-    *reinterpret_cast<uint4*>(kv + CoreChunkOffset(r, c, kHead / 8)) =
-        make_uint4(w.x & keep, w.y & keep, w.z & keep, w.w & keep);
+    *reinterpret_cast<uint4*>(kv + CoreChunkOffset(r, c, kHead / 8)) = w;
   };
   if (FlashQuarterHasBlock<kRight, kQuarter>(part)) {
     const int block = FlashHalfFirstBlock<kRight>(part) + kQuarter;
@@ -660,19 +659,19 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
     for (int64_t s = 0; s < pairs; ++s) {
       const bool again = s > 0, has_next = s + 1 < pairs;
       if (again) BarrierSync(FreeBarrier(0, 0), 256);
-      DecodeFlashQuarter<false, 0>(a.table >= 0, x0, buffer_a);
+      DecodeFlashQuarter<false, 0>(x0, buffer_a);
       LoadFlashQuarter<true, 0>(b, views, x0);
-      DecodeFlashQuarter<false, 1>(a.table >= 0, x1, buffer_a);
+      DecodeFlashQuarter<false, 1>(x1, buffer_a);
       LoadFlashQuarter<true, 1>(b, views, x1);
       if (again) BarrierSync(FreeBarrier(1, 1), 256);
-      DecodeFlashQuarter<true, 0>(b.table >= 0, x0, buffer_b);
+      DecodeFlashQuarter<true, 0>(x0, buffer_b);
       LoadFlashQuarter<true, 0>(a, views, x0);
-      DecodeFlashQuarter<true, 1>(b.table >= 0, x1, buffer_b);
+      DecodeFlashQuarter<true, 1>(x1, buffer_b);
       LoadFlashQuarter<true, 1>(a, views, x1);
       if (again) BarrierSync(FreeBarrier(0, 1), 256);
-      DecodeFlashQuarter<true, 0>(a.table >= 0, x0, buffer_a);
+      DecodeFlashQuarter<true, 0>(x0, buffer_a);
       LoadFlashQuarter<false, 0>(b, views, x0);
-      DecodeFlashQuarter<true, 1>(a.table >= 0, x1, buffer_a);
+      DecodeFlashQuarter<true, 1>(x1, buffer_a);
       FenceSharedForAsyncProxy();  // read by warpgroup 0's wgmma
       BarrierArrive(kFull0, 256);
       LoadFlashQuarter<false, 1>(b, views, x1);
@@ -680,9 +679,9 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
         a = resolve(2 * s + 2);
       }
       if (again) BarrierSync(FreeBarrier(1, 0), 256);
-      DecodeFlashQuarter<false, 0>(b.table >= 0, x0, buffer_b);
+      DecodeFlashQuarter<false, 0>(x0, buffer_b);
       if (has_next) LoadFlashQuarter<false, 0>(a, views, x0);
-      DecodeFlashQuarter<false, 1>(b.table >= 0, x1, buffer_b);
+      DecodeFlashQuarter<false, 1>(x1, buffer_b);
       FenceSharedForAsyncProxy();  // read by warpgroup 1's wgmma
       BarrierArrive(kFull1, 256);
       if (has_next) {
