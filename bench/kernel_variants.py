@@ -20,7 +20,9 @@ fault of the profiled process on some kernels, where `WarpStateStats,SourceCount
 the metrics that moved against base are printed (`bench.ncu_compare`); each variant's details
 page and SASS source page (with per-instruction stall samples: `python -m bench.sass_stalls
 FILE`) are written to `--out` as `<name>_ncu.csv` and `<name>_sass.csv`. The working tree's own
-libraries are put back at the end.
+libraries are put back at the end. With `--archive FILE.tar.gz`, everything written to `--out`
+is also packed into that one file (the device tool returns at most 8 files a call: with `--out`
+in /tmp and the archive in $OUT, no result is left behind).
 
 On the H200 machine (see README's developer notes; carry `third_party` for the CuTe headers):
 
@@ -36,6 +38,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -165,6 +168,17 @@ def run_ncu(args: argparse.Namespace, name: str) -> Path | None:
     return details if '"ID"' in details.read_text() else None
 
 
+def archive_outputs(out: Path, archive: Path) -> list[str]:
+    """Every file under `out` packed into the gzip tar `archive` (paths relative to `out`, sorted);
+    returns the member names."""
+    names = sorted(str(f.relative_to(out)) for f in out.rglob("*") if f.is_file() and f != archive)
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive, "w:gz") as tar:
+        for name in names:
+            tar.add(out / name, arcname=name)
+    return names
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("patches", nargs="*", type=Path, help="patches to the working tree (git diff format)")
@@ -194,6 +208,8 @@ def main() -> None:
     ap.add_argument("--ncu-path", default="/usr/local/cuda/bin/ncu")
     ap.add_argument("--cpu-only", action="store_true", help="build without CUDA (checks this script off the GPU)")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "kernel_variants")
+    ap.add_argument("--archive", type=Path, default=None, metavar="FILE.tar.gz",
+                    help="also pack everything written to --out into this one file")
     args = ap.parse_args()
     try:
         ncu_sections(args.ncu_sections)
@@ -269,6 +285,8 @@ def main() -> None:
     if len(profiled) > 1:
         print("\nNsight Compute, the metrics that moved by 5% or more (`python -m bench.ncu_compare` on the CSVs):\n")
         print(ncu_compare.compare(profiled))
+    if args.archive:
+        log(f"{len(archive_outputs(args.out, args.archive))} files packed into {args.archive}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""bench.kernel_variants' Nsight Compute command (the builds and runs need the GPU machine)."""
+"""bench.kernel_variants' Nsight Compute command and result archive (the builds and runs need the GPU
+machine)."""
 import argparse
+import tarfile
 from pathlib import Path
 
 import pytest
 
-from bench.kernel_variants import ncu_capture_command, ncu_sections
+from bench.kernel_variants import archive_outputs, ncu_capture_command, ncu_sections
 
 
 def test_ncu_sections_full_is_the_full_set_and_names_become_sections():
@@ -23,3 +25,16 @@ def test_the_capture_profiles_one_matching_launch_of_a_chunk_into_the_report():
     assert cmd[cmd.index("-o") + 1] == "/tmp/out/base"
     assert cmd[cmd.index("-k") + 1] == "regex:IndexerTopkRs" and cmd[cmd.index("-c") + 1] == "1"
     assert cmd[cmd.index("--prefill") + 1] == "8192" and cmd[cmd.index("--ops") + 1] == "indexer_topk"
+
+
+def test_the_archive_holds_every_output_file_once_with_its_bytes(tmp_path):
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    (out / "base_0.json").write_text('{"ms": 1}')
+    (out / "variant_sass.csv").write_bytes(b"x" * 5000)
+    (out / "sub" / "deep.txt").write_text("deep")
+    archive = out / "all.tar.gz"  # inside --out: not packed into itself
+    assert archive_outputs(out, archive) == ["base_0.json", "sub/deep.txt", "variant_sass.csv"]
+    with tarfile.open(archive) as tar:
+        assert sorted(tar.getnames()) == ["base_0.json", "sub/deep.txt", "variant_sass.csv"]
+        assert tar.extractfile("variant_sass.csv").read() == b"x" * 5000
