@@ -171,7 +171,7 @@ def run_ncu(args: argparse.Namespace, name: str) -> Path | None:
 def archive_outputs(out: Path, archive: Path) -> list[str]:
     """Every file under `out` packed into the gzip tar `archive` (paths relative to `out`, sorted);
     returns the member names."""
-    names = sorted(str(f.relative_to(out)) for f in out.rglob("*") if f.is_file() and f != archive)
+    names = sorted(str(f.relative_to(out)) for f in out.rglob("*") if f.is_file() and f.resolve() != archive.resolve())
     archive.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(archive, "w:gz") as tar:
         for name in names:

@@ -33,7 +33,8 @@ def test_the_archive_holds_every_output_file_once_with_its_bytes(tmp_path):
     (out / "base_0.json").write_text('{"ms": 1}')
     (out / "variant_sass.csv").write_bytes(b"x" * 5000)
     (out / "sub" / "deep.txt").write_text("deep")
-    archive = out / "all.tar.gz"  # inside --out: not packed into itself
+    archive = out / "all.tar.gz"  # inside --out: not packed into itself, even when it is there already
+    archive.write_bytes(b"an earlier run's archive")
     assert archive_outputs(out, archive) == ["base_0.json", "sub/deep.txt", "variant_sass.csv"]
     with tarfile.open(archive) as tar:
         assert sorted(tar.getnames()) == ["base_0.json", "sub/deep.txt", "variant_sass.csv"]
