@@ -5,8 +5,9 @@ copy of them, built side by side, then tested and benchmarked in turn.
         [--prefill 65536] [--tests "attention or split"] [--out DIR]
 
 Each variant is `ffi_kernels/` copied to `var/<name>/` (`base` unchanged, else the patch's file
-name) with its patch applied (`git apply --directory`), configured and built by CMake for
-`--arch` in parallel with the others, and installed next to its copy. Then, for base, each
+name) with its patch applied (`git apply --directory`; `A.patch+B.patch` applies both in turn,
+a variant named `A_plus_B`, so that independent patches combine without a patch of both),
+configured and built by CMake for `--arch` in parallel with the others, and installed next to its copy. Then, for base, each
 patch, and base again: its libraries are copied into `ffi_kernels/` (`PYTHONPATH` cannot
 select them: `python -m` puts the working directory first on `sys.path`), the `--tests`
 subset of `tests/test_ffi_kernels.py` runs once per variant (`--untested-base`: the patched
@@ -57,17 +58,26 @@ def libraries(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.so"))
 
 
-def prepare(name: str, patch: Path | None) -> Path:
-    """var/<name>/ffi_kernels: a copy of the kernels' sources, with `patch` applied."""
+def variant_patches(spec: str) -> tuple[str, list[Path]]:
+    """A variant's name and patches from its command-line spec: one patch file, or several joined
+    by '+' (applied in that order)."""
+    patches = [Path(part) for part in spec.split("+")]
+    # ('+' is not in the name: the device tool returns files named in letters, digits, '.', '_', '-')
+    return "_plus_".join(p.name.removesuffix(".patch") for p in patches), patches
+
+
+def prepare(name: str, patches: list[Path]) -> Path:
+    """var/<name>/ffi_kernels: a copy of the kernels' sources, with `patches` applied in turn."""
     home = VARIANTS / name
     shutil.rmtree(home, ignore_errors=True)
     shutil.copytree(KERNELS, home / "ffi_kernels", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    if patch is not None:
+    for patch in patches:
         rel = home.relative_to(ROOT)
         done = subprocess.run(["git", "apply", f"--directory={rel}", str(patch.resolve())], cwd=ROOT,
                               capture_output=True, text=True)
         if done.returncode != 0:
-            sys.exit(f"{patch} does not apply to the working tree's kernels:\n{done.stderr}")
+            sys.exit(f"{patch} does not apply to the working tree's kernels (after the variant's earlier "
+                     f"patches):\n{done.stderr}")
     return home
 
 
@@ -171,7 +181,8 @@ def run_ncu(args: argparse.Namespace, name: str) -> Path | None:
 def archive_outputs(out: Path, archive: Path) -> list[str]:
     """Every file under `out` packed into the gzip tar `archive` (paths relative to `out`, sorted);
     returns the member names."""
-    names = sorted(str(f.relative_to(out)) for f in out.rglob("*") if f.is_file() and f.resolve() != archive.resolve())
+    itself = archive.resolve()
+    names = sorted(str(f.relative_to(out)) for f in out.rglob("*") if f.is_file() and f.resolve() != itself)
     archive.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(archive, "w:gz") as tar:
         for name in names:
@@ -181,7 +192,8 @@ def archive_outputs(out: Path, archive: Path) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("patches", nargs="*", type=Path, help="patches to the working tree (git diff format)")
+    ap.add_argument("patches", nargs="*", help="patches to the working tree (git diff format); A.patch+B.patch "
+                                               "is one variant of both")
     ap.add_argument("--ops", default="sparse_attention,indexer_topk")
     ap.add_argument("--decode", default="1,8,32,64")
     ap.add_argument("--prefill", default="65536")
@@ -215,15 +227,16 @@ def main() -> None:
         ncu_sections(args.ncu_sections)
     except ValueError as e:
         ap.error(str(e))
-    for patch in args.patches:
+    variants = dict([("base", [])] + [variant_patches(spec) for spec in args.patches])
+    for patch in (p for patches in variants.values() for p in patches):
         if not patch.is_file():
             sys.exit(f"no such patch: {patch}")
-    names = ["base"] + [p.name.removesuffix(".patch") for p in args.patches]
-    if len(set(names)) != len(names):
+    names = list(variants)
+    if len(names) != 1 + len(args.patches):
         sys.exit("two variants would share a name: give the patches different file names")
     args.out.mkdir(parents=True, exist_ok=True)
 
-    homes = {name: prepare(name, patch) for name, patch in zip(names, [None, *args.patches])}
+    homes = {name: prepare(name, patches) for name, patches in variants.items()}
     jobs = max(1, (os.cpu_count() or 2) // len(homes))
     log(f"building {', '.join(names)} ({jobs} jobs each)")
     builds = {name: start_build(home, args, jobs) for name, home in homes.items()}

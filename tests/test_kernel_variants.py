@@ -1,12 +1,12 @@
-"""bench.kernel_variants' Nsight Compute command and result archive (the builds and runs need the GPU
-machine)."""
+"""bench.kernel_variants' variant specs, Nsight Compute command and result archive (the builds
+and runs need the GPU machine)."""
 import argparse
 import tarfile
 from pathlib import Path
 
 import pytest
 
-from bench.kernel_variants import archive_outputs, ncu_capture_command, ncu_sections
+from bench.kernel_variants import archive_outputs, ncu_capture_command, ncu_sections, variant_patches
 
 
 def test_ncu_sections_full_is_the_full_set_and_names_become_sections():
@@ -39,3 +39,9 @@ def test_the_archive_holds_every_output_file_once_with_its_bytes(tmp_path):
     with tarfile.open(archive) as tar:
         assert sorted(tar.getnames()) == ["base_0.json", "sub/deep.txt", "variant_sass.csv"]
         assert tar.extractfile("variant_sass.csv").read() == b"x" * 5000
+
+
+def test_a_variant_is_one_patch_or_several_joined_by_plus_applied_in_order():
+    assert variant_patches("bench/experiments/a.patch") == ("a", [Path("bench/experiments/a.patch")])
+    assert variant_patches("e/first.patch+e/second.patch") == (
+        "first_plus_second", [Path("e/first.patch"), Path("e/second.patch")])
