@@ -8,8 +8,9 @@ Each variant is `ffi_kernels/` copied to `var/<name>/` (`base` unchanged, else t
 name) with its patch applied (`git apply --directory`; `A.patch+B.patch` applies both in turn,
 a variant named `A_plus_B`, so that independent patches combine without a patch of both),
 configured and built by CMake for `--arch` in parallel with the others, and installed next to
-its copy. Then, for base, each patch, and base again: its libraries are copied into `ffi_kernels/` (`PYTHONPATH` cannot
-select them: `python -m` puts the working directory first on `sys.path`), the `--tests`
+its copy. Then, for base, each patch, and base again: its libraries are copied into
+`ffi_kernels/` (`PYTHONPATH` cannot select them: `python -m` puts the working directory first
+on `sys.path`), the `--tests`
 subset of `tests/test_ffi_kernels.py` runs once per variant (`--untested-base`: the patched
 ones only; `--untested-diagnostics`: none whose name contains "diag"; a variant that fails is
 not benchmarked), and `bench.ffi_bench --timing profile`
