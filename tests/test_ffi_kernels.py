@@ -201,28 +201,47 @@ def test_fp8_attention_over_many_tiles_matches_the_reference(t):
                           comp_slots=400)
 
 
+def _decode_tables(monkeypatch, decoded: bool) -> None:
+    """Makes every unsplit FP8 call ask for the decoded-table workspace (decoded) or none.
+
+    On CUDA (SM90) the kernel then copies its tiles from the tables decoded once, or decodes
+    them itself; on CPU, where no workspace is otherwise asked for, the handler is given one and
+    must leave the result unchanged.
+    """
+    monkeypatch.setattr(attn_ffi, "_DECODE_MIN_READS", 0 if decoded else 10 ** 9)
+    if decoded and jax.default_backend() == "cpu":
+        monkeypatch.setattr(ffi_kernels, "multiprocessors", lambda platform: 132)
+
+
+@pytest.mark.parametrize("decoded", [False, True])
 @pytest.mark.parametrize("comp_slots", [20, 60, 120, 400])
-def test_fp8_attention_unsplit_over_odd_and_even_tile_counts_matches_the_reference(monkeypatch, comp_slots):
+def test_fp8_attention_unsplit_over_odd_and_even_tile_counts_matches_the_reference(monkeypatch, comp_slots,
+                                                                                   decoded):
     # One part a query (as prefill), the model's FP8 layout: 40 window slots plus 20 / 60 / 120 /
     # 400 pool slots are 1 / 2 / 3 / 7 of the CUDA kernel's 64-row tiles, odd and even counts (a
     # schedule that pairs tiles, as bench/experiments' alternating-tile patch, then meets an
     # empty last tile); q scaled so that the running max moves between tiles by many octaves.
+    # Both of the SM90 kernel's modes: tiles decoded by its producer, or copied from the tables
+    # decoded once (`decoded`).
     monkeypatch.setattr(attn_ffi, "split_parts", lambda q, slots: 1)
+    _decode_tables(monkeypatch, decoded)
     _check_bf16_attention(np.random.default_rng(comp_slots), EntryFormat.KV_FP8, 64, 512, 64, 5, comp_rows=600,
                           comp_slots=comp_slots, q_scale=8.0)
 
 
+@pytest.mark.parametrize("decoded", [False, True])
 @pytest.mark.parametrize("n, t, comp_slots", [(64, 300, 120), (70, 300, 400), (64, 133, 20)])
 def test_fp8_attention_unsplit_over_more_queries_than_multiprocessors_matches_the_reference(
-        monkeypatch, n, t, comp_slots):
+        monkeypatch, n, t, comp_slots, decoded):
     # One part a query, the model's FP8 layout, more (query, 64-head) items than an H200's 132
     # multiprocessors: the case in which a persistent CUDA kernel (one block a multiprocessor,
     # over items b, b + 132, ...; bench/experiments/2026-12-04_attention_producer_persistent.patch)
     # carries its slot ring and tile buffers from one item to the next: 40
     # window plus 120 pool slots are three 64-row tiles (two pairs, the last tile empty); 70
     # heads make two items a query (the second with 6 heads) over 7 tiles; 133 queries of one
-    # tile give block 0 alone a second item.
+    # tile give block 0 alone a second item. Both modes of the SM90 kernel (`decoded`).
     monkeypatch.setattr(attn_ffi, "split_parts", lambda q, slots: 1)
+    _decode_tables(monkeypatch, decoded)
     _check_bf16_attention(np.random.default_rng(t + comp_slots), EntryFormat.KV_FP8, n, 512, 64, t, comp_rows=600,
                           comp_slots=comp_slots, q_scale=4.0)
 
@@ -249,6 +268,28 @@ def test_attention_over_mixed_fp8_and_bf16_tables_matches_the_reference(ring_fmt
     args = (q, (ring, fresh), window_idx, pool, comp_idx, sink, h ** -0.5)
     _close(jax.jit(attn_ffi.sparse_attention_paged, static_argnums=6)(*args),
            attn_ref.sparse_attention_paged(*args), jnp.bfloat16)
+
+
+def test_the_decoded_table_workspace_is_asked_for_only_where_rows_are_read_often(monkeypatch):
+    monkeypatch.setattr(ffi_kernels, "multiprocessors", lambda platform: 132)
+    sds = jax.ShapeDtypeStruct
+    q = lambda t, dtype=jnp.bfloat16: sds((t, 64, 512), dtype)  # noqa: E731
+    fp8 = lambda rows: (sds((rows, 448), jnp.float8_e4m3fn), sds((rows, 7), jnp.uint8),  # noqa: E731
+                        sds((rows, 64), jnp.bfloat16))
+    dense = lambda rows: (sds((rows, 512), jnp.bfloat16), sds((rows, 0), jnp.uint8),  # noqa: E731
+                          sds((rows, 0), jnp.bfloat16))
+    tables = (fp8(134), fp8(4096), fp8(1024))  # ring, fresh, pool: 5254 rows
+    assert attn_ffi.decoded_rows(q(4096), tables, 640, 1) == 5254  # each row read ~500 times
+    assert attn_ffi.decoded_rows(q(64), tables, 640, 1) == 0  # ~8 reads a row: not quite enough
+    assert attn_ffi.decoded_rows(q(66), tables, 640, 1) == 5254
+    assert attn_ffi.decoded_rows(q(4096), tables, 640, 2) == 0  # split (decode)
+    assert attn_ffi.decoded_rows(q(4096, jnp.float32), tables, 640, 1) == 0
+    assert attn_ffi.decoded_rows(q(4096), (fp8(134), dense(4096), fp8(1024)), 640, 1) == 0  # not all FP8
+    assert attn_ffi.decoded_rows(q(4096), (fp8(134), fp8(4096), dense(0)), 640, 1) == 4230  # no pool
+    assert attn_ffi.decoded_rows(q(1 << 16), (fp8(1), fp8(0), fp8(1 << 18)), 640, 1) == 0  # over 256 MiB
+    assert attn_ffi.decoded_rows(q(1 << 16), (fp8(0), fp8(0), fp8(1 << 18)), 640, 1) == 1 << 18  # at it
+    monkeypatch.setattr(ffi_kernels, "multiprocessors", lambda platform: None)
+    assert attn_ffi.decoded_rows(q(4096), tables, 640, 1) == 0  # off CUDA
 
 
 def test_decode_splits_each_query_until_the_gpu_is_busy(monkeypatch):

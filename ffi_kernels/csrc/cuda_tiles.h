@@ -40,6 +40,14 @@ __device__ __forceinline__ void CopyAsync8(void* dst_shared, const void* src_glo
                                                   *static_cast<uint64_t*>(dst_shared));
 }
 
+// A 16-byte cp.async to the shared-memory address `dst_shared` (a 32-bit shared-window address,
+// for callers that compute swizzled addresses), or 16 zero bytes when !valid (src then unread).
+__device__ __forceinline__ void CopyAsync16OrZeros(uint32_t dst_shared, const void* src_global, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_shared), "l"(src_global),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
 // Waits for every asynchronous copy this thread has issued.
 __device__ __forceinline__ void CopyAsyncCommitAndWaitAll() {
   cute::cp_async_fence();

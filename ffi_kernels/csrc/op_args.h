@@ -20,6 +20,7 @@ struct AttentionArgs {
   int64_t t, n, h, w, x;  // queries, heads, head dim, window slots, compressed slots
   int64_t splits;         // parts of each query's slots run by separate blocks (CUDA; 1 = unsplit)
   TableView ring, fresh, comp;
+  int64_t decoded_rows;   // rows of the decoded-table workspace (CUDA prefill): 0, or every table's rows
 };
 
 // The split scratch results [S, T, N, H] (partial outputs) and [S, T, N, 2] (their max and
@@ -34,12 +35,24 @@ inline ffi::Error ParseSplitScratch(ffi::Span<const int64_t> o_dims, ffi::Span<c
   return ffi::Error::Success();
 }
 
+// The decoded-table workspace [D, H] bf16: D = 0 (none) or the three tables' rows together (the
+// CUDA kernel decodes the FLASH FP8 tables into it once a call; the CPU kernel ignores it).
+inline ffi::Error ParseDecodedTables(ffi::DataType type, ffi::Span<const int64_t> dims, AttentionArgs* a) {
+  const int64_t rows = a->ring.rows + a->fresh.rows + a->comp.rows;
+  if (type != ffi::DataType::BF16 || dims.size() != 2 || dims[1] != a->h || (dims[0] != 0 && dims[0] != rows)) {
+    return Invalid("the decoded-table workspace must be [0 or the tables' rows together, H] bf16");
+  }
+  a->decoded_rows = dims[0];
+  return ffi::Error::Success();
+}
+
 inline ffi::Error ParseAttention(const ffi::AnyBuffer& q, const ffi::AnyBuffer (&ring)[3],
                                  const ffi::AnyBuffer (&fresh)[3], const ffi::Buffer<ffi::S32>& window_idx,
                                  const ffi::AnyBuffer (&comp)[3], const ffi::Buffer<ffi::S32>& comp_idx,
                                  const ffi::Buffer<ffi::F32>& sink, ffi::DataType out_type,
                                  ffi::Span<const int64_t> split_o_dims, ffi::Span<const int64_t> split_ml_dims,
-                                 int32_t block, AttentionArgs* a) {
+                                 ffi::DataType decoded_type, ffi::Span<const int64_t> decoded_dims, int32_t block,
+                                 AttentionArgs* a) {
   if (auto e = CheckRank(q, 3, "q"); e.failure()) return e;
   const auto q_type = FloatElem(q);
   if (!q_type) return Invalid("q must be f32 or bf16");
@@ -57,7 +70,8 @@ inline ffi::Error ParseAttention(const ffi::AnyBuffer& q, const ffi::AnyBuffer (
   if (cd.size() != 2 || cd[0] != a->t) return Invalid("compressed_idx must be [T, X]");
   if (sink.dimensions().size() != 1 || sink.dimensions()[0] != a->n) return Invalid("sink must be [N]");
   a->w = wd[1], a->x = cd[1];
-  return ParseSplitScratch(split_o_dims, split_ml_dims, a);
+  if (auto e = ParseSplitScratch(split_o_dims, split_ml_dims, a); e.failure()) return e;
+  return ParseDecodedTables(decoded_type, decoded_dims, a);
 }
 
 struct IndexerArgs {

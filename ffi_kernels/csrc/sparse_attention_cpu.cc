@@ -43,11 +43,13 @@ ffi::Error SparseAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer ring_values, ffi
                                ffi::AnyBuffer comp_values, ffi::AnyBuffer comp_scales, ffi::AnyBuffer comp_rope,
                                ffi::Buffer<ffi::S32> comp_idx, ffi::Buffer<ffi::F32> sink,
                                ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> split_o,
-                               ffi::Result<ffi::Buffer<ffi::F32>> split_ml, float scale, int32_t block) {
+                               ffi::Result<ffi::Buffer<ffi::F32>> split_ml, ffi::Result<ffi::AnyBuffer> decoded,
+                               float scale, int32_t block) {
   AttentionArgs a;
   if (auto e = ParseAttention(q, {ring_values, ring_scales, ring_rope}, {fresh_values, fresh_scales, fresh_rope},
                               window_idx, {comp_values, comp_scales, comp_rope}, comp_idx, sink,
-                              out->element_type(), split_o->dimensions(), split_ml->dimensions(), block, &a);
+                              out->element_type(), split_o->dimensions(), split_ml->dimensions(),
+                              decoded->element_type(), decoded->dimensions(), block, &a);
       e.failure()) {
     return e;
   }
@@ -110,5 +112,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SparseAttentionCpu, dsv4::SparseAttentionImpl,
                                   .Ret<ffi::AnyBuffer>()       // out [T, N, H], q's dtype
                                   .Ret<ffi::Buffer<ffi::F32>>()  // split scratch [S, T, N, H] (CUDA only)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // split scratch [S, T, N, 2] (CUDA only)
+                                  .Ret<ffi::AnyBuffer>()       // decoded tables [0 or Rr + Rf + Rc, H] bf16 (CUDA only)
                                   .Attr<float>("scale")        // softmax scale
                                   .Attr<int32_t>("block"));    // values per scale byte

@@ -596,19 +596,158 @@ __device__ __forceinline__ void DecodeFlashQuarter(const FlashQuarter<kQuarter>&
 }
 
 // Shared memory of ProducerAttentionKernel: q [64 heads][512] and two decoded tiles [2][64][512]
-// in bf16, core-matrix layout, then each computing warpgroup's P [2][64 heads][64 rows] bf16.
+// in bf16 (q in the core-matrix layout; the tiles in it too, or in the 128-byte-swizzle layout of
+// the decoded-table mode), then each computing warpgroup's P [2][64 heads][64 rows] bf16.
 constexpr int64_t kProducerSharedBytes =
     (kTcHeads + 2 * kTileRowsFlash) * flash_fp8::kHead * 2 + 2 * kTcHeads * kTileRowsFlash * 2;
 
+// ---------------------------------------------------------------- decoded tables
+//
+// A long prefill chunk reads each stored row for many of its queries (the 64k chunk of the
+// benchmark ~500 times a row), and ProducerAttentionKernel's FLASH FP8 mode decodes the row
+// every time, through registers that hold only one half tile's bytes in flight (so a load's
+// latency is exposed once a pair of tiles; BENCHMARKS.md, twenty-sixth to twenty-eighth
+// sessions). Given a workspace (dsv4/ops/sparse_attention/ffi.py sizes it: only where each row
+// is read often enough), DecodeFlashTablesKernel decodes the three tables once into bf16 rows
+// [ring rows | fresh rows | pool rows][512] (the same conversion as the producer's, so the
+// same bf16 values), and the kernel's decoded-table mode copies its tiles from there with
+// cp.async: no registers hold bytes in flight and there is no decode in the loop.
+__global__ void DecodeFlashTablesKernel(TableViews tables, uint16_t* decoded, int64_t rows) {
+  using namespace flash_fp8;
+  constexpr int kChunks = kHead / 8;  // 16-byte chunks of a decoded row: 56 of values, 8 of rope
+  const int64_t fresh_at = tables.t[0].rows, comp_at = fresh_at + tables.t[1].rows;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < rows * kChunks; e += stride) {
+    const int64_t row = e / kChunks;
+    const int c = static_cast<int>(e % kChunks);
+    const int table = row < fresh_at ? 0 : row < comp_at ? 1 : 2;
+    const TableView& v = tables.t[table];
+    const int64_t r = row - (table == 0 ? 0 : table == 1 ? fresh_at : comp_at);
+    uint4 chunk;
+    if (c < kValues / 8) {
+      const uint2 bytes = *reinterpret_cast<const uint2*>(static_cast<const unsigned char*>(v.values) + r * kValues + 8 * c);
+      chunk = E4m3EightToBf16(bytes, E8m0ToFloat(v.scales[r * kScales + c / (kBlock / 8)]));
+    } else {
+      chunk = reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(v.rope) + r * (2 * kRope))[c - kValues / 8];
+    }
+    reinterpret_cast<uint4*>(decoded)[e] = chunk;
+  }
+}
+
+// The tiles of the decoded-table mode, in wgmma's 128-byte-swizzle layout (WgmmaDescriptorSwizzle128):
+// column group g (values 64 g .. +64) of a [64 rows][512] tile is 64 rows of 128 bytes, row r at
+// r * 128 with its chunk u (8 values) at ((u ^ r % 8) * 16). Read with the rows as N it is S's
+// K-major operand; with the rows along K, P V's MN-major one. A warp's cp.async of four rows of a
+// group then writes four whole 128-byte lines (the core-matrix layout would put a row's eight
+// chunks in eight core matrices: cp.async writes shared memory a source line at a time, so that
+// took 8x the wavefronts, as q's copy does; twenty-seventh session).
+constexpr int kSwizzleGroupBytes = kTileRowsFlash * 128;
+
+// The byte offset of an S k-step (16 values: K-major) and of a P V k-step (16 rows: MN-major)
+// in either tile layout.
+template <bool kSwizzled>
+__device__ __forceinline__ uint32_t ScoreKStepBytes(int kk) {
+  return kSwizzled ? (kk / 4) * kSwizzleGroupBytes + (kk % 4) * 32 : kk * 2 * 128;
+}
+template <bool kSwizzled>
+__device__ __forceinline__ uint32_t ValueKStepBytes(int ks) {
+  return kSwizzled ? ks * 2 * 1024 : ks * 2 * (flash_fp8::kHead / 8) * 128;
+}
+
+// The producer warpgroup of the decoded-table mode: the FLASH FP8 mode's schedule (tile m into
+// buffer m % 2, each half copied once the computing warpgroups have freed it, in the order they
+// free them; the slots of tile m into ring entry m % kSlotRing at the same points), with the
+// copies in flight in cp.async groups instead of registers. Thread i of the warpgroup copies
+// rows 16 (i / 32) + 4 k + (i % 32) / 8 (k < 4) of every tile, chunk i % 8 of each of the half's
+// four column groups: a warp instruction reads four rows' 128 contiguous bytes and writes four
+// whole lines of shared memory. An empty slot's row is copied as zeros (cp.async's zero fill),
+// so that P = 0 never meets stale shared memory.
+__device__ __forceinline__ void ProduceDecodedTiles(const TableViews& tables, const uint16_t* decoded,
+                                                    const int32_t* w_idx, const int32_t* x_idx, int64_t w_n,
+                                                    int64_t end, int64_t pairs, const TableView* views,
+                                                    Slot (*slots)[kTileRowsFlash], unsigned char* kv_s) {
+  using namespace producer;
+  constexpr int kH = flash_fp8::kHead, kRows = kTileRowsFlash, kTileBytes = kRows * kH * 2;
+  const int i = threadIdx.x % 128, u = i % 8, row0 = 16 * (i / 32) + (i % 32) / 8;
+  const uint32_t tiles_at = static_cast<uint32_t>(__cvta_generic_to_shared(kv_s));
+  if (tiles_at % 1024 != 0) __trap();  // the swizzle's atoms (the kernel's shared-memory alignment)
+  const int64_t fresh_at = tables.t[0].rows, comp_at = fresh_at + tables.t[1].rows;
+  int32_t ahead[4];  // the stored index of each of this thread's rows of the next tile
+#pragma unroll
+  for (int k = 0; k < 4; ++k) ahead[k] = SlotIndex(row0 + 4 * k, end, w_n, w_idx, x_idx);
+  // This thread's rows of tile m: each one's decoded row (at this thread's chunk), nullptr for
+  // an empty slot; the slots go to the ring (one thread a row writes them).
+  auto resolve = [&](int64_t m, const uint16_t* (&src)[4]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int r = row0 + 4 * k;
+      const int64_t j = m * kRows + r;
+      const Slot slot = SlotOf(j, ahead[k], w_n, views[0].rows, views[1].rows, views[2].rows);
+      ahead[k] = SlotIndex(j + kRows, end, w_n, w_idx, x_idx);
+      if (u == 0) slots[m % kSlotRing][r] = slot;
+      const int64_t at = slot.table == 0 ? 0 : slot.table == 1 ? fresh_at : comp_at;
+      src[k] = slot.table < 0 ? nullptr : decoded + (at + slot.row) * kH + 8 * u;
+    }
+  };
+  // Column half `half` of this thread's rows into tile buffer `buffer`, as one cp.async group.
+  auto copy_half = [&](const uint16_t* const (&src)[4], int buffer, int half) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int r = row0 + 4 * k;
+      const uint32_t row_at = tiles_at + buffer * kTileBytes + r * 128 + ((u ^ (r % 8)) * 16);
+#pragma unroll
+      for (int g = 4 * half; g < 4 * half + 4; ++g) {
+        CopyAsync16OrZeros(row_at + g * kSwizzleGroupBytes, src[k] ? src[k] + 64 * g : decoded, src[k] != nullptr);
+      }
+    }
+    cute::cp_async_fence();
+  };
+  const uint16_t* a[4];
+  const uint16_t* b[4];
+  resolve(0, a);
+  resolve(1, b);
+#pragma unroll 1
+  for (int64_t s = 0; s < pairs; ++s) {
+    const bool again = s > 0, has_next = s + 1 < pairs;
+    if (again) BarrierSync(FreeBarrier(0, 0), 256);
+    copy_half(a, 0, 0);
+    if (again) BarrierSync(FreeBarrier(1, 1), 256);
+    copy_half(b, 1, 1);
+    if (again) BarrierSync(FreeBarrier(0, 1), 256);
+    copy_half(a, 0, 1);
+    if (again) {
+      cute::cp_async_wait<0>();
+    } else {  // the first pair: B's left half is free too, and may stay in flight
+      copy_half(b, 1, 0);
+      cute::cp_async_wait<1>();
+    }
+    FenceSharedForAsyncProxy();  // read by warpgroup 0's wgmma
+    BarrierArrive(kFull0, 256);
+    if (has_next) resolve(2 * s + 2, a);  // (tile 2s - 2 is past its softmax: its frees were synced)
+    if (again) {
+      BarrierSync(FreeBarrier(1, 0), 256);
+      copy_half(b, 1, 0);
+    }
+    cute::cp_async_wait<0>();
+    FenceSharedForAsyncProxy();  // read by warpgroup 1's wgmma
+    BarrierArrive(kFull1, 256);
+    if (has_next) resolve(2 * s + 3, b);
+  }
+}
+
+// kDecoded: the decoded-table mode (its tiles copied from `decoded`, DecodeFlashTablesKernel's
+// rows, into the 128-byte-swizzle layout); else the FLASH FP8 mode (decoded = nullptr).
+template <bool kDecoded>
 __global__ void __launch_bounds__(producer::kThreads, 1)
     ProducerAttentionKernel(const uint16_t* q, TableViews tables, const int32_t* window_idx, int64_t w_n,
                             const int32_t* comp_idx, int64_t x_n, const float* sink, uint16_t* out, int64_t n_n,
-                            float scale_log2) {
+                            float scale_log2, const uint16_t* decoded) {
   using namespace producer;
   constexpr int kH = flash_fp8::kHead, kRows = kTileRowsFlash, kChunks = kH / 8, kGroupBytes = kChunks * 128;
   constexpr int kPChunks = kRows / 8, kPGroupBytes = kPChunks * 128, kPBytes = kTcHeads * kRows * 2;
   constexpr int kBlocks = kRows / 8;  // 8-row blocks of S (the m64n64 accumulator's columns)
-  extern __shared__ __align__(128) unsigned char producer_smem[];
+  // (1024-byte alignment: the swizzled tiles' atoms; q's 64 KB keep the tiles aligned.)
+  extern __shared__ __align__(1024) unsigned char producer_smem[];
   __shared__ Slot slots[kSlotRing][kRows];
   __shared__ TableView views[3];
   __shared__ float max_s[2][kTcHeads];  // the running max after each computing warpgroup's tile (then l)
@@ -637,6 +776,10 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
     // and while the free of its half is awaited (one half at a time left each load's latency
     // between two decodes: the computing warpgroups then waited on the full barriers).
     LowerRegisters<kProducerRegisters>();
+    if constexpr (kDecoded) {
+      ProduceDecodedTiles(tables, decoded, w_idx, x_idx, w_n, end, pairs, views, slots, kv_s);
+      return;
+    }
     const int i = threadIdx.x % 128, r = i % kRows;
     unsigned char* buffer_a = kv_s;
     unsigned char* buffer_b = kv_s + kRows * kH * 2;
@@ -719,10 +862,13 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
   const unsigned char* kv_own = kv_s + wg * kRows * kH * 2;
   const unsigned char* kv_other = kv_s + (wg ^ 1) * kRows * kH * 2;
   const uint64_t q_desc = WgmmaDescriptor(q_s, 128, kGroupBytes);
-  const uint64_t k_own = WgmmaDescriptor(kv_own, 128, kGroupBytes);
-  // V over this warpgroup's columns: the tile read with its rows along K (MN-major).
-  const uint64_t v_own = WgmmaDescriptor(kv_own + wg * (kChunks / 2) * 128, kGroupBytes, 128);
-  const uint64_t v_other = WgmmaDescriptor(kv_other + wg * (kChunks / 2) * 128, kGroupBytes, 128);
+  // K and V over this warpgroup's columns (the tile read with its rows along K: MN-major).
+  const uint64_t k_own = kDecoded ? WgmmaDescriptorSwizzle128(kv_own, 16, 1024) : WgmmaDescriptor(kv_own, 128, kGroupBytes);
+  const uint64_t v_own = kDecoded ? WgmmaDescriptorSwizzle128(kv_own + wg * 4 * kSwizzleGroupBytes, kSwizzleGroupBytes, 1024)
+                                  : WgmmaDescriptor(kv_own + wg * (kChunks / 2) * 128, kGroupBytes, 128);
+  const uint64_t v_other = kDecoded
+                               ? WgmmaDescriptorSwizzle128(kv_other + wg * 4 * kSwizzleGroupBytes, kSwizzleGroupBytes, 1024)
+                               : WgmmaDescriptor(kv_other + wg * (kChunks / 2) * 128, kGroupBytes, 128);
   const uint64_t p_other = WgmmaDescriptor(p_s + (wg ^ 1) * kPBytes, 128, kPGroupBytes);
   unsigned char* p_own = p_s + wg * kPBytes;
 
@@ -740,7 +886,8 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
     cute::warpgroup_arrive();
 #pragma unroll
     for (int kk = 0; kk < kH / 16; ++kk) {  // two 16-byte chunks a k-step
-      WgmmaSs<ScoreAtom>(WgmmaDescriptorAt(q_at, kk * 2 * 128), WgmmaDescriptorAt(k_at, kk * 2 * 128), acc, kk > 0);
+      WgmmaSs<ScoreAtom>(WgmmaDescriptorAt(q_at, kk * 2 * 128), WgmmaDescriptorAt(k_at, ScoreKStepBytes<kDecoded>(kk)),
+                         acc, kk > 0);
     }
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<0>();
@@ -815,8 +962,8 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
       cute::warpgroup_arrive();
 #pragma unroll
       for (int ks = 0; ks < kRows / 16; ++ks) {
-        WgmmaSs<OtherPvAtom>(WgmmaDescriptorAt(p_other, ks * 2 * 128), WgmmaDescriptorAt(v_other, ks * 2 * kGroupBytes),
-                           o_acc, true);
+        WgmmaSs<OtherPvAtom>(WgmmaDescriptorAt(p_other, ks * 2 * 128),
+                             WgmmaDescriptorAt(v_other, ValueKStepBytes<kDecoded>(ks)), o_acc, true);
       }
       cute::warpgroup_commit_batch();
       cute::warpgroup_wait<0>();
@@ -839,7 +986,7 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
     cute::warpgroup_arrive();
 #pragma unroll
     for (int ks = 0; ks < kRows / 16; ++ks) {
-      WgmmaRs<OwnPvAtom>(p_frag[ks], WgmmaDescriptorAt(v_own, ks * 2 * kGroupBytes), o_acc, true);
+      WgmmaRs<OwnPvAtom>(p_frag[ks], WgmmaDescriptorAt(v_own, ValueKStepBytes<kDecoded>(ks)), o_acc, true);
     }
     cute::warpgroup_commit_batch();
     if (wg == 0) {
@@ -1397,9 +1544,47 @@ bool TensorCoreServes(const AttentionArgs& a) {
   return TensorCoreSharedBytes(a.h, TensorCoreStageStride(a), TensorCoreTileRows(a)) <= TensorCoreSharedLimit();
 }
 
+// ProducerAttentionKernel<kDecoded> for one unsplit query a block (prefill), after decoding the
+// tables into `decoded` when it is given (a.decoded_rows > 0).
+template <bool kDecoded>
+ffi::Error LaunchProducer(cudaStream_t stream, const AttentionArgs& a, const void* q, const int32_t* window_idx,
+                          const int32_t* comp_idx, const float* sink, void* out, uint16_t* decoded, float scale) {
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      ProducerAttentionKernel<kDecoded>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kProducerSharedBytes));
+  if (attr != cudaSuccess) return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(attr));
+  const TableViews tables{{a.ring, a.fresh, a.comp}};
+  if constexpr (kDecoded) {
+    constexpr int kThreads = 256;
+    const int64_t chunks = a.decoded_rows * (flash_fp8::kHead / 8);
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((chunks + kThreads - 1) / kThreads, 1 << 16));
+    DecodeFlashTablesKernel<<<blocks, kThreads, 0, stream>>>(tables, decoded, a.decoded_rows);
+    if (auto e = LastCudaError("DecodeFlashTablesKernel"); e.failure()) return e;
+  }
+  ProducerAttentionKernel<kDecoded>
+      <<<dim3(static_cast<unsigned>(a.t), static_cast<unsigned>((a.n + kTcHeads - 1) / kTcHeads)), producer::kThreads,
+         kProducerSharedBytes, stream>>>(static_cast<const uint16_t*>(q), tables, window_idx, a.w, comp_idx, a.x,
+                                         sink, static_cast<uint16_t*>(out), a.n, scale * kLog2e, decoded);
+  return LastCudaError("ProducerAttentionKernel");
+}
+
+// Whether ProducerAttentionKernel<kDecoded> was built with exactly kLaunchRegisters a thread, the
+// pool its setmaxnreg calls balance (a -maxrregcount build or another ptxas could give fewer:
+// they would hang). This also keeps it off a plain sm_90 build, whose body is only the __trap
+// (28 registers); the tensor-core kernel serves there.
+template <bool kDecoded>
+bool ProducerRegistersBalance() {
+  static const bool ok = [] {
+    cudaFuncAttributes f{};
+    const bool read = cudaFuncGetAttributes(&f, ProducerAttentionKernel<kDecoded>) == cudaSuccess;
+    if (!read) (void)cudaGetLastError();
+    return read && f.numRegs == producer::kLaunchRegisters;
+  }();
+  return ok;
+}
+
 ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const void* q, const int32_t* window_idx,
                             const int32_t* comp_idx, const float* sink, void* out, float* split_o, float* split_ml,
-                            float scale) {
+                            uint16_t* decoded, float scale) {
   // Once per process: allow the kernel's shared memory above the 48 KB default.
   const int most = static_cast<int>(TensorCoreSharedLimit());
   static const cudaError_t attr[3] = {
@@ -1419,27 +1604,13 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
   const int64_t splits = std::max<int64_t>(1, std::min(a.splits, tiles));
   const int64_t per_split = (tiles + splits - 1) / splits;
   const int64_t used = splits > 1 ? (tiles + per_split - 1) / per_split : 1;  // no empty trailing parts
-  // The launch must give the kernel exactly kLaunchRegisters a thread, the pool its setmaxnreg
-  // calls balance (a -maxrregcount build or another ptxas could give fewer: they would hang).
-  // This also keeps it off a plain sm_90 build, whose body is only the __trap (28 registers);
-  // the tensor-core kernel below serves there.
-  static const bool producer_registers = [] {
-    cudaFuncAttributes f{};
-    const bool ok = cudaFuncGetAttributes(&f, ProducerAttentionKernel) == cudaSuccess;
-    if (!ok) (void)cudaGetLastError();
-    return ok && f.numRegs == producer::kLaunchRegisters;
-  }();
-  if (flash_fp8 && used == 1 && producer_registers && WgmmaOnDevice()) {
-    static const cudaError_t producer_attr = cudaFuncSetAttribute(
-        ProducerAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kProducerSharedBytes));
-    if (producer_attr != cudaSuccess) {
-      return ffi::Error::Internal(std::string("shared memory opt-in: ") + cudaGetErrorString(producer_attr));
+  if (flash_fp8 && used == 1 && WgmmaOnDevice()) {
+    if (a.decoded_rows > 0 && ProducerRegistersBalance<true>()) {
+      return LaunchProducer<true>(stream, a, q, window_idx, comp_idx, sink, out, decoded, scale);
     }
-    ProducerAttentionKernel<<<dim3(static_cast<unsigned>(a.t), static_cast<unsigned>((a.n + kTcHeads - 1) / kTcHeads)),
-                              producer::kThreads, kProducerSharedBytes, stream>>>(
-        static_cast<const uint16_t*>(q), TableViews{{a.ring, a.fresh, a.comp}}, window_idx, a.w, comp_idx, a.x, sink,
-        static_cast<uint16_t*>(out), a.n, scale * kLog2e);
-    return LastCudaError("ProducerAttentionKernel");
+    if (ProducerRegistersBalance<false>()) {
+      return LaunchProducer<false>(stream, a, q, window_idx, comp_idx, sink, out, nullptr, scale);
+    }
   }
   const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.n + kTcHeads - 1) / kTcHeads),
                   static_cast<unsigned>(used));
@@ -1506,11 +1677,13 @@ ffi::Error SparseAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
                                ffi::AnyBuffer comp_values, ffi::AnyBuffer comp_scales, ffi::AnyBuffer comp_rope,
                                ffi::Buffer<ffi::S32> comp_idx, ffi::Buffer<ffi::F32> sink,
                                ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> split_o,
-                               ffi::Result<ffi::Buffer<ffi::F32>> split_ml, float scale, int32_t block) {
+                               ffi::Result<ffi::Buffer<ffi::F32>> split_ml, ffi::Result<ffi::AnyBuffer> decoded,
+                               float scale, int32_t block) {
   AttentionArgs a;
   if (auto e = ParseAttention(q, {ring_values, ring_scales, ring_rope}, {fresh_values, fresh_scales, fresh_rope},
                               window_idx, {comp_values, comp_scales, comp_rope}, comp_idx, sink,
-                              out->element_type(), split_o->dimensions(), split_ml->dimensions(), block, &a);
+                              out->element_type(), split_o->dimensions(), split_ml->dimensions(),
+                              decoded->element_type(), decoded->dimensions(), block, &a);
       e.failure()) {
     return e;
   }
@@ -1519,7 +1692,7 @@ ffi::Error SparseAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   if (TensorCoreServes(a)) {
     return LaunchTensorCore(stream, a, q.untyped_data(), window_idx.typed_data(), comp_idx.typed_data(),
                             sink.typed_data(), out->untyped_data(), split_o->typed_data(), split_ml->typed_data(),
-                            scale);
+                            static_cast<uint16_t*>(decoded->untyped_data()), scale);
   }
   const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.n + kHeadsPerBlock - 1) / kHeadsPerBlock));
   ScalarAttentionKernel<<<grid, 32 * kHeadsPerBlock, 0, stream>>>(
@@ -1564,6 +1737,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4SparseAttentionCuda, dsv4::SparseAttentionCuda
                                   .Ret<ffi::AnyBuffer>()       // out
                                   .Ret<ffi::Buffer<ffi::F32>>()  // split partial outputs
                                   .Ret<ffi::Buffer<ffi::F32>>()  // split max / denominator
+                                  .Ret<ffi::AnyBuffer>()       // decoded-table workspace
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("block"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -67,6 +67,18 @@ __device__ __forceinline__ uint64_t WgmmaDescriptor(const void* start, uint32_t 
          static_cast<uint64_t>((mn_bytes >> 4) & 0x3fff) << 32;
 }
 
+// The descriptor of an operand in the 128-byte-swizzle layout (SWIZZLE_128B): rows of 128 bytes
+// (64 bf16), eight of them an atom of 1024 bytes in which row r's 16-byte chunk u lies at
+// ((u ^ r) * 16), the XOR taken of address bits (so atoms start at multiples of 1024 bytes).
+// The fields keep the PTX names, whose roles depend on the operand's major-ness (CuTe's
+// make_gmma_desc): K-major, `stride` is the distance between 8-row groups along M or N and
+// `leading` is unused (16); MN-major, `leading` is the distance between 64-element groups
+// along M or N and `stride` the distance between 8-row groups along K. A k-step within an atom
+// moves the start address by its bytes (WgmmaDescriptorAt), as CuTe's descriptor iterator does.
+__device__ __forceinline__ uint64_t WgmmaDescriptorSwizzle128(const void* start, uint32_t leading, uint32_t stride) {
+  return WgmmaDescriptor(start, leading, stride) | static_cast<uint64_t>(1) << 62;
+}
+
 // `descriptor` moved `bytes` further along its operand (the start address field counts 16-byte
 // units and an operand lies within shared memory, so the add never carries out of it).
 __device__ __forceinline__ uint64_t WgmmaDescriptorAt(uint64_t descriptor, uint32_t bytes) {
