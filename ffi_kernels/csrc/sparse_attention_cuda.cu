@@ -471,8 +471,10 @@ enum Barrier : int {
   kMaxB,        // warpgroup 1's, after the tile that follows (1 arrives, 0 syncs)
   kPA,          // P of tile A in shared memory (0 arrives, 1 syncs)
   kPB,          // P of tile B (1 arrives, 0 syncs)
-  kFull0,       // buffer 0 decoded (the producer arrives, warpgroup 0 syncs)
-  kFull1,       // buffer 1 decoded (the producer arrives, warpgroup 1 syncs)
+  kFull00,      // kFull00 + 2 b + h: half h of buffer b filled (the producer arrives, warpgroup b
+  kFull01,      // syncs; its S starts on the half filled first)
+  kFull10,
+  kFull11,
   kFree00,      // kFree00 + 2 b + h: half h of buffer b read for the last time (warpgroup h
   kFree01,      // arrives, the producer syncs)
   kFree10,
@@ -480,6 +482,7 @@ enum Barrier : int {
   kCompute,     // warpgroups 0 and 1 among themselves
 };
 __device__ __forceinline__ int FreeBarrier(int buffer, int half) { return kFree00 + 2 * buffer + half; }
+__device__ __forceinline__ int FullBarrier(int buffer, int half) { return kFull00 + 2 * buffer + half; }
 }  // namespace producer
 
 __device__ __forceinline__ void BarrierArrive(int id, int threads) {
@@ -709,28 +712,42 @@ __device__ __forceinline__ void ProduceDecodedTiles(const TableViews& tables, co
 #pragma unroll 1
   for (int64_t s = 0; s < pairs; ++s) {
     const bool again = s > 0, has_next = s + 1 < pairs;
+    // Each half's barrier as soon as its group has landed (fenced for the wgmma reads).
+    auto filled = [&](int buffer, int half) {
+      FenceSharedForAsyncProxy();
+      BarrierArrive(FullBarrier(buffer, half), 256);
+    };
     if (again) BarrierSync(FreeBarrier(0, 0), 256);
     copy_half(a, 0, 0);
     if (again) BarrierSync(FreeBarrier(1, 1), 256);
     copy_half(b, 1, 1);
-    if (again) BarrierSync(FreeBarrier(0, 1), 256);
-    copy_half(a, 0, 1);
-    if (again) {
-      cute::cp_async_wait<0>();
-    } else {  // the first pair: B's left half is free too, and may stay in flight
+    if (!again) {  // the first pair: every half is free; all four in flight at once
+      copy_half(a, 0, 1);
       copy_half(b, 1, 0);
+      cute::cp_async_wait<3>();
+      filled(0, 0);
       cute::cp_async_wait<1>();
+      filled(0, 1);
+      filled(1, 1);
+      cute::cp_async_wait<0>();
+      filled(1, 0);
+    } else {
+      cute::cp_async_wait<1>();
+      filled(0, 0);
+      cute::cp_async_wait<0>();
+      filled(1, 1);
+      BarrierSync(FreeBarrier(0, 1), 256);
+      copy_half(a, 0, 1);
+      cute::cp_async_wait<0>();
+      filled(0, 1);
     }
-    FenceSharedForAsyncProxy();  // read by warpgroup 0's wgmma
-    BarrierArrive(kFull0, 256);
     if (has_next) resolve(2 * s + 2, a);  // (tile 2s - 2 is past its softmax: its frees were synced)
     if (again) {
       BarrierSync(FreeBarrier(1, 0), 256);
       copy_half(b, 1, 0);
+      cute::cp_async_wait<0>();
+      filled(1, 0);
     }
-    cute::cp_async_wait<0>();
-    FenceSharedForAsyncProxy();  // read by warpgroup 1's wgmma
-    BarrierArrive(kFull1, 256);
     if (has_next) resolve(2 * s + 3, b);
   }
 }
@@ -805,18 +822,22 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
       DecodeFlashQuarter<false, 0>(x0, buffer_a);
       LoadFlashQuarter<true, 0>(b, views, x0);
       DecodeFlashQuarter<false, 1>(x1, buffer_a);
+      FenceSharedForAsyncProxy();
+      BarrierArrive(FullBarrier(0, 0), 256);
       LoadFlashQuarter<true, 1>(b, views, x1);
       if (again) BarrierSync(FreeBarrier(1, 1), 256);
       DecodeFlashQuarter<true, 0>(x0, buffer_b);
       LoadFlashQuarter<true, 0>(a, views, x0);
       DecodeFlashQuarter<true, 1>(x1, buffer_b);
+      FenceSharedForAsyncProxy();
+      BarrierArrive(FullBarrier(1, 1), 256);
       LoadFlashQuarter<true, 1>(a, views, x1);
       if (again) BarrierSync(FreeBarrier(0, 1), 256);
       DecodeFlashQuarter<true, 0>(x0, buffer_a);
       LoadFlashQuarter<false, 0>(b, views, x0);
       DecodeFlashQuarter<true, 1>(x1, buffer_a);
       FenceSharedForAsyncProxy();  // read by warpgroup 0's wgmma
-      BarrierArrive(kFull0, 256);
+      BarrierArrive(FullBarrier(0, 1), 256);
       LoadFlashQuarter<false, 1>(b, views, x1);
       if (has_next) {  // (tiles 2s - 2 and 2s - 1 are past their softmax: their frees were synced)
         a = resolve(2 * s + 2);
@@ -826,7 +847,7 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
       if (has_next) LoadFlashQuarter<false, 0>(a, views, x0);
       DecodeFlashQuarter<false, 1>(x1, buffer_b);
       FenceSharedForAsyncProxy();  // read by warpgroup 1's wgmma
-      BarrierArrive(kFull1, 256);
+      BarrierArrive(FullBarrier(1, 0), 256);
       if (has_next) {
         LoadFlashQuarter<false, 1>(a, views, x1);
         b = resolve(2 * s + 3);
@@ -883,18 +904,26 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
     uint64_t q_at = q_desc, k_at = k_own;
     asm volatile("" : "+l"(q_at), "+l"(k_at));
     FenceOperands(acc);
-    cute::warpgroup_arrive();
+    // The half of the tile filled first (warpgroup w's own half w: it freed it first), then the
+    // other, each once its barrier says it is there.
 #pragma unroll
-    for (int kk = 0; kk < kH / 16; ++kk) {  // two 16-byte chunks a k-step
-      WgmmaSs<ScoreAtom>(WgmmaDescriptorAt(q_at, kk * 2 * 128), WgmmaDescriptorAt(k_at, ScoreKStepBytes<kDecoded>(kk)),
-                         acc, kk > 0);
+    for (int part = 0; part < 2; ++part) {
+      const int half = wg ^ part;
+      BarrierSync(FullBarrier(wg, half), 256);
+      const uint64_t q_half = WgmmaDescriptorAt(q_at, half * (kH / 32) * 2 * 128);
+      const uint64_t k_half = WgmmaDescriptorAt(k_at, half * ScoreKStepBytes<kDecoded>(kH / 32));
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int kk = 0; kk < kH / 32; ++kk) {  // two 16-byte chunks a k-step
+        WgmmaSs<ScoreAtom>(WgmmaDescriptorAt(q_half, kk * 2 * 128),
+                           WgmmaDescriptorAt(k_half, ScoreKStepBytes<kDecoded>(kk)), acc, part > 0 || kk > 0);
+      }
     }
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<0>();
     FenceOperands(acc);
   };
-  BarrierSync(kFull0 + wg, 256);  // this warpgroup's first tile decoded
-  issue_scores();
+  issue_scores();  // this warpgroup's first tile, as its halves are filled
 
 #pragma unroll 1
   for (int64_t s = 0; s < pairs; ++s) {
@@ -1013,8 +1042,7 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
       other_products();
     }
     if (has_next) {
-      BarrierSync(kFull0 + wg, 256);  // this warpgroup's next tile decoded
-      issue_scores();
+      issue_scores();  // this warpgroup's next tile, as its halves are filled
     }
   }
   // The denominator: each warpgroup summed its own tiles' P (and warpgroup 0 the sink), in the
