@@ -1,5 +1,11 @@
 // sparse_attention on CUDA: the twin of dsv4/ops/sparse_attention/reference.py and of
-// sparse_attention_cpu.cc (same arguments, same semantics). Two kernels:
+// sparse_attention_cpu.cc (same arguments, same semantics; the CPU kernel ignores the
+// decoded-table workspace). Three kernels:
+//
+// ProducerAttentionKernel (SM90a; the FLASH FP8 layout, one part a query: prefill): two
+// computing warpgroups on wgmma and a producer warpgroup that fills their tiles (its section
+// below). Its decoded-table mode, where the caller gives a workspace, copies the tiles from the
+// tables decoded once a call (DecodeFlashTablesKernel) instead of decoding them per query.
 //
 // TensorCoreAttentionKernel (bf16 q; tables of bf16 or e4m3 values with bf16 rope, at most 16
 // scale bytes a row; head dim a multiple of 32 up to 512): one block per (query, 64 heads), 8
