@@ -23,7 +23,10 @@ _TILE_ROWS, _BLOCK_HEADS = 32, 64
 # rows are read many times (a prefill chunk: the benchmark's 64k chunk reads each ~500 times),
 # and it costs a temporary [rows, 512] bf16 buffer, so it is asked for only where each row is
 # read at least _DECODE_MIN_READS times on average and the buffer is at most _DECODE_MAX_BYTES
-# (a larger pool keeps the per-query decode: same results, slower).
+# (a larger pool keeps the per-query decode: same results, slower). Measured on an H100
+# (BENCHMARKS.md, 2026-12-06): the decode pass costs ~0.5 ns a row (82k rows in 0.043 ms, ~3
+# TB/s), and the workspace saves ~0.18 ns a read (the 64k chunk's 42M reads, 20.84 -> 13.33
+# ms), so it breaks even at ~3 reads a row; 8 leaves room for the buffer's memory.
 _DECODE_MIN_READS = 8
 _DECODE_MAX_BYTES = 256 << 20
 _FLASH_FP8 = dict(values=448, scales=7, rope=64, head=512)  # the kernel's FLASH FP8 row layout
