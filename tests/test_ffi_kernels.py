@@ -292,6 +292,15 @@ def test_the_decoded_table_workspace_is_asked_for_only_where_rows_are_read_often
     assert attn_ffi.decoded_rows(q(4096), tables, 640, 1) == 0  # off CUDA
 
 
+def test_a_decoded_table_workspace_of_the_wrong_rows_is_refused(monkeypatch):
+    # The workspace is all the tables' rows or none: the handler (CPU here, CUDA on the device)
+    # rejects any other size rather than read or write past it.
+    monkeypatch.setattr(attn_ffi, "decoded_rows", lambda q, tables, slots, parts: 3)
+    with pytest.raises(Exception, match="decoded-table workspace must be"):
+        _check_bf16_attention(np.random.default_rng(0), EntryFormat.KV_FP8, 64, 512, 64, 2, comp_rows=20,
+                              comp_slots=10)
+
+
 def test_decode_splits_each_query_until_the_gpu_is_busy(monkeypatch):
     monkeypatch.setattr(ffi_kernels, "multiprocessors", lambda platform: 132)
     q = lambda t, n=64, h=512, dtype=jnp.bfloat16: jax.ShapeDtypeStruct((t, n, h), dtype)  # noqa: E731
