@@ -105,6 +105,18 @@ def multiprocessors(platform: str) -> int | None:
     return int(query()) or None
 
 
+@functools.cache
+def decoded_tables_served(platform: str) -> bool:
+    """Whether sparse_attention's CUDA handler uses a decoded-table workspace on the current
+    device (an SM90 GPU with the producer kernel built; see sparse_attention_cuda.cu): where it
+    does not, the caller asks for none (it would be allocated and ignored). False off CUDA."""
+    if platform != "cuda":
+        return False
+    query = _LOADED[platform].Dsv4DecodedTablesServed
+    query.restype, query.argtypes = ctypes.c_int64, []
+    return bool(query())
+
+
 def platform_of(jax_backend: str) -> str:
     """The library platform serving a JAX backend name ("cpu" -> "cpu", "gpu"/"cuda" -> "cuda")."""
     return "cuda" if jax_backend in ("gpu", "cuda") else jax_backend

@@ -210,7 +210,7 @@ def _decode_tables(monkeypatch, decoded: bool) -> None:
     """
     monkeypatch.setattr(attn_ffi, "_DECODE_MIN_READS", 0 if decoded else 10 ** 9)
     if decoded and jax.default_backend() == "cpu":
-        monkeypatch.setattr(ffi_kernels, "multiprocessors", lambda platform: 132)
+        monkeypatch.setattr(ffi_kernels, "decoded_tables_served", lambda platform: True)
 
 
 @pytest.mark.parametrize("decoded", [False, True])
@@ -271,7 +271,7 @@ def test_attention_over_mixed_fp8_and_bf16_tables_matches_the_reference(ring_fmt
 
 
 def test_the_decoded_table_workspace_is_asked_for_only_where_rows_are_read_often(monkeypatch):
-    monkeypatch.setattr(ffi_kernels, "multiprocessors", lambda platform: 132)
+    monkeypatch.setattr(ffi_kernels, "decoded_tables_served", lambda platform: True)
     sds = jax.ShapeDtypeStruct
     q = lambda t, dtype=jnp.bfloat16: sds((t, 64, 512), dtype)  # noqa: E731
     fp8 = lambda rows: (sds((rows, 448), jnp.float8_e4m3fn), sds((rows, 7), jnp.uint8),  # noqa: E731
@@ -288,8 +288,8 @@ def test_the_decoded_table_workspace_is_asked_for_only_where_rows_are_read_often
     assert attn_ffi.decoded_rows(q(4096), (fp8(134), fp8(4096), dense(0)), 640, 1) == 4230  # no pool
     assert attn_ffi.decoded_rows(q(1 << 16), (fp8(1), fp8(0), fp8(1 << 18)), 640, 1) == 0  # over 256 MiB
     assert attn_ffi.decoded_rows(q(1 << 16), (fp8(0), fp8(0), fp8(1 << 18)), 640, 1) == 1 << 18  # at it
-    monkeypatch.setattr(ffi_kernels, "multiprocessors", lambda platform: None)
-    assert attn_ffi.decoded_rows(q(4096), tables, 640, 1) == 0  # off CUDA
+    monkeypatch.setattr(ffi_kernels, "decoded_tables_served", lambda platform: False)
+    assert attn_ffi.decoded_rows(q(4096), tables, 640, 1) == 0  # off CUDA, or a GPU other than SM90
 
 
 def test_a_decoded_table_workspace_of_the_wrong_rows_is_refused(monkeypatch):

@@ -671,16 +671,16 @@ __device__ __forceinline__ uint32_t ValueKStepBytes(int ks) {
 // four column groups: a warp instruction reads four rows' 128 contiguous bytes and writes four
 // whole lines of shared memory. An empty slot's row is copied as zeros (cp.async's zero fill),
 // so that P = 0 never meets stale shared memory.
-__device__ __forceinline__ void ProduceDecodedTiles(const TableViews& tables, const uint16_t* decoded,
-                                                    const int32_t* w_idx, const int32_t* x_idx, int64_t w_n,
-                                                    int64_t end, int64_t pairs, const TableView* views,
-                                                    Slot (*slots)[kTileRowsFlash], unsigned char* kv_s) {
+__device__ __forceinline__ void ProduceDecodedTiles(const uint16_t* decoded, const int32_t* w_idx,
+                                                    const int32_t* x_idx, int64_t w_n, int64_t end, int64_t pairs,
+                                                    const TableView* views, Slot (*slots)[kTileRowsFlash],
+                                                    unsigned char* kv_s) {
   using namespace producer;
   constexpr int kH = flash_fp8::kHead, kRows = kTileRowsFlash, kTileBytes = kRows * kH * 2;
   const int i = threadIdx.x % 128, u = i % 8, row0 = 16 * (i / 32) + (i % 32) / 8;
   const uint32_t tiles_at = static_cast<uint32_t>(__cvta_generic_to_shared(kv_s));
   if (tiles_at % 1024 != 0) __trap();  // the swizzle's atoms (the kernel's shared-memory alignment)
-  const int64_t fresh_at = tables.t[0].rows, comp_at = fresh_at + tables.t[1].rows;
+  const int64_t fresh_at = views[0].rows, comp_at = fresh_at + views[1].rows;  // the workspace's row order
   int32_t ahead[4];  // the stored index of each of this thread's rows of the next tile
 #pragma unroll
   for (int k = 0; k < 4; ++k) ahead[k] = SlotIndex(row0 + 4 * k, end, w_n, w_idx, x_idx);
@@ -711,6 +711,11 @@ __device__ __forceinline__ void ProduceDecodedTiles(const TableViews& tables, co
     }
     cute::cp_async_fence();
   };
+  // A half's barrier as soon as its group has landed (fenced for the wgmma reads).
+  auto filled = [&](int buffer, int half) {
+    FenceSharedForAsyncProxy();
+    BarrierArrive(FullBarrier(buffer, half), 256);
+  };
   const uint16_t* a[4];
   const uint16_t* b[4];
   resolve(0, a);
@@ -718,11 +723,6 @@ __device__ __forceinline__ void ProduceDecodedTiles(const TableViews& tables, co
 #pragma unroll 1
   for (int64_t s = 0; s < pairs; ++s) {
     const bool again = s > 0, has_next = s + 1 < pairs;
-    // Each half's barrier as soon as its group has landed (fenced for the wgmma reads).
-    auto filled = [&](int buffer, int half) {
-      FenceSharedForAsyncProxy();
-      BarrierArrive(FullBarrier(buffer, half), 256);
-    };
     if (again) BarrierSync(FreeBarrier(0, 0), 256);
     copy_half(a, 0, 0);
     if (again) BarrierSync(FreeBarrier(1, 1), 256);
@@ -800,7 +800,7 @@ __global__ void __launch_bounds__(producer::kThreads, 1)
     // between two decodes: the computing warpgroups then waited on the full barriers).
     LowerRegisters<kProducerRegisters>();
     if constexpr (kDecoded) {
-      ProduceDecodedTiles(tables, decoded, w_idx, x_idx, w_n, end, pairs, views, slots, kv_s);
+      ProduceDecodedTiles(decoded, w_idx, x_idx, w_n, end, pairs, views, slots, kv_s);
       return;
     }
     const int i = threadIdx.x % 128, r = i % kRows;
@@ -1747,6 +1747,14 @@ extern "C" int64_t Dsv4MultiprocessorCount() {
     return 0;
   }
   return count;
+}
+
+// 1 if an unsplit FLASH FP8 call on the current device would use a decoded-table workspace (an
+// SM90 device and the producer kernel built as LaunchTensorCore requires), else 0: through ctypes,
+// dsv4/ops/sparse_attention/ffi.py asks for the workspace only then (elsewhere it would be
+// allocated and ignored).
+extern "C" int64_t Dsv4DecodedTablesServed() {
+  return dsv4::WgmmaOnDevice() && dsv4::ProducerRegistersBalance<true>() ? 1 : 0;
 }
 
 namespace ffi = xla::ffi;

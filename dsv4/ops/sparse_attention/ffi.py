@@ -54,13 +54,14 @@ def decoded_rows(q_TNH: jax.Array, tables: tuple[tuple[jax.Array, jax.Array, jax
                  parts: int) -> int:
     """Rows of the decoded-table workspace the CUDA kernel is given: every table's rows, or 0.
 
-    Nonzero on CUDA for an unsplit call (`parts` 1) with bf16 q at head dim 512 over tables
-    (values, scales, rope) all in the model's FP8 layout (or empty), when the T x `slots`
-    selected rows read each table row at least _DECODE_MIN_READS times on average and the
-    [rows, 512] bf16 buffer is at most _DECODE_MAX_BYTES.
+    Nonzero where the CUDA handler uses it (an SM90 GPU: `ffi_kernels.decoded_tables_served`),
+    for an unsplit call (`parts` 1) with bf16 q at head dim 512 over tables (values, scales,
+    rope) all in the model's FP8 layout (or empty), when the T x `slots` selected rows read each
+    table row at least _DECODE_MIN_READS times on average and the [rows, 512] bf16 buffer is at
+    most _DECODE_MAX_BYTES.
     """
     t, _, h = q_TNH.shape
-    if ffi_kernels.multiprocessors(ffi_kernels.platform_of(jax.default_backend())) is None:
+    if not ffi_kernels.decoded_tables_served(ffi_kernels.platform_of(jax.default_backend())):
         return 0
     if parts != 1 or q_TNH.dtype != jnp.bfloat16 or h != _FLASH_FP8["head"]:
         return 0
