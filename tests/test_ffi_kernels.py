@@ -201,6 +201,17 @@ def test_fp8_attention_over_many_tiles_matches_the_reference(t):
                           comp_slots=400)
 
 
+@pytest.mark.parametrize("t", [26, 32])
+def test_fp8_attention_at_decode_batch_sizes_that_merge_in_smaller_clusters_matches_the_reference(t):
+    # The model's FP8 layout, 640 slots a query (ten 64-row tiles) as at decode C32: on a
+    # 132-multiprocessor GPU split_parts asks for 5 parts (t = 26) or 4 (t = 32), and where
+    # clusters of that many blocks are not all resident (an H100 or H200: 32 clusters of 4 are
+    # not) the CUDA handler takes the largest smaller count whose clusters are, merged on chip
+    # (sparse_attention_cuda.cu, LaunchTensorCore). The CPU library runs its one kernel.
+    _check_bf16_attention(np.random.default_rng(t), EntryFormat.KV_FP8, 64, 512, 64, t, comp_rows=800,
+                          comp_slots=600)
+
+
 def _decode_tables(monkeypatch, decoded: bool) -> None:
     """Makes every unsplit FP8 call ask for the decoded-table workspace (decoded) or none.
 

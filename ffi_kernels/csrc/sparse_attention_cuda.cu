@@ -26,7 +26,8 @@
 //     (the kernel's comment says why this split).
 // Few queries (decode) would leave most SMs idle, so the caller may split each query's slots
 // into S parts (grid z; only part 0 counts the sink). Up to kMaxClusterParts parts run as one
-// thread-block cluster: each block leaves its unnormalised output, max and denominator in its
+// thread-block cluster (fewer, longer parts where clusters of S blocks would not all be
+// resident at once): each block leaves its unnormalised output, max and denominator in its
 // shared memory and the cluster's blocks merge them over distributed shared memory, each
 // writing a slice of the output (MergeClusterParts). More parts write them to the split
 // scratch and CombineSplitsKernel merges them.
@@ -1616,6 +1617,45 @@ bool ProducerRegistersBalance() {
   return ok;
 }
 
+// How `tiles` tiles split into at most `splits` parts: *per_split tiles a part and *used parts
+// (no empty trailing parts; 1 part for splits <= 1).
+void SplitTiles(int64_t tiles, int64_t splits, int64_t* per_split, int64_t* used) {
+  splits = std::max<int64_t>(1, std::min(splits, tiles));
+  *per_split = (tiles + splits - 1) / splits;
+  *used = splits > 1 ? (tiles + *per_split - 1) / *per_split : 1;
+}
+
+// How many clusters of `parts` blocks of `kernel` (with `shared_bytes` of dynamic shared memory)
+// can be resident at once on the current device; 0 if it cannot be read. Asked once per kernel,
+// cluster size and shared memory (the answer depends on all three).
+int ResidentClusters(const void* kernel, int64_t parts, size_t shared_bytes) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int64_t, size_t>, int> resident;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(kernel, parts, shared_bytes);
+  auto it = resident.find(key);
+  if (it == resident.end()) {
+    cudaLaunchConfig_t one = {};
+    one.gridDim = dim3(1, 1, static_cast<unsigned>(parts));
+    one.blockDim = dim3(kTcThreads);
+    one.dynamicSmemBytes = shared_bytes;
+    cudaLaunchAttribute cluster[1];
+    cluster[0].id = cudaLaunchAttributeClusterDimension;
+    cluster[0].val.clusterDim.x = 1;
+    cluster[0].val.clusterDim.y = 1;
+    cluster[0].val.clusterDim.z = static_cast<unsigned>(parts);
+    one.attrs = cluster;
+    one.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &one) != cudaSuccess) {
+      (void)cudaGetLastError();  // not an error of a launch: the caller merges through the scratch
+      clusters = 0;
+    }
+    it = resident.emplace(key, clusters).first;
+  }
+  return it->second;
+}
+
 ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const void* q, const int32_t* window_idx,
                             const int32_t* comp_idx, const float* sink, void* out, float* split_o, float* split_ml,
                             uint16_t* decoded, float scale) {
@@ -1635,9 +1675,8 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
   }
   const int64_t tile_rows = TensorCoreTileRows(a);
   const int64_t tiles = (a.w + a.x + tile_rows - 1) / tile_rows;
-  const int64_t splits = std::max<int64_t>(1, std::min(a.splits, tiles));
-  const int64_t per_split = (tiles + splits - 1) / splits;
-  const int64_t used = splits > 1 ? (tiles + per_split - 1) / per_split : 1;  // no empty trailing parts
+  int64_t per_split = 0, used = 0;
+  SplitTiles(tiles, a.splits, &per_split, &used);
   if (flash_fp8 && used == 1 && WgmmaOnDevice()) {
     if (a.decoded_rows > 0 && ProducerRegistersBalance<true>()) {
       return LaunchProducer<true>(stream, a, q, window_idx, comp_idx, sink, out, decoded, scale);
@@ -1646,16 +1685,38 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
       return LaunchProducer<false>(stream, a, q, window_idx, comp_idx, sink, out, nullptr, scale);
     }
   }
-  const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.n + kTcHeads - 1) / kTcHeads),
-                  static_cast<unsigned>(used));
   const int64_t stage = TensorCoreStageStride(a);
   auto* kernel = flash_fp8 ? TensorCoreAttentionKernel<kMaxHeadDim, true>
                  : fixed   ? TensorCoreAttentionKernel<kMaxHeadDim, false>
                            : TensorCoreAttentionKernel<0, false>;
+  const size_t shared_bytes = TensorCoreSharedBytes(a.h, stage, tile_rows);
+  const int64_t blocks_per_part = a.t * ((a.n + kTcHeads - 1) / kTcHeads);
+  // Split parts run as one cluster, merged on chip, when there are few enough of them and all
+  // the clusters are resident at once (clusters must fit within a GPU processing cluster, so
+  // fewer of them than blocks / parts may be: a second wave would cost more than the merge
+  // saves; on an H200, 32 clusters of 4 of these blocks ran as 1.5x the one-wave time). Where
+  // clusters of `used` parts are not all resident, fewer parts whose clusters are (down to
+  // two) are taken instead: longer parts, but no scratch round trip and no CombineSplitsKernel.
+  // Measured on an H100 (BENCHMARKS.md, 2026-12-07), FLASH decode C32 asks for 4 parts, whose
+  // 32 clusters are not resident: through the scratch 36.5 us, as 3 parts in clusters 30.4 us,
+  // as 2 in clusters 31.1 us.
+  bool cluster_merge = false;
+  if (used > 1 && used <= kMaxClusterParts) {
+    const void* func = reinterpret_cast<const void*>(kernel);
+    for (int64_t s = used; s >= 2 && !cluster_merge; --s) {
+      int64_t s_per_split = 0, s_used = 0;
+      SplitTiles(tiles, s, &s_per_split, &s_used);
+      if (s_used == s && blocks_per_part <= ResidentClusters(func, s, shared_bytes)) {
+        per_split = s_per_split, used = s, cluster_merge = true;
+      }
+    }
+  }
+  const dim3 grid(static_cast<unsigned>(a.t), static_cast<unsigned>((a.n + kTcHeads - 1) / kTcHeads),
+                  static_cast<unsigned>(used));
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = dim3(kTcThreads);
-  config.dynamicSmemBytes = TensorCoreSharedBytes(a.h, stage, tile_rows);
+  config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
   cudaLaunchAttribute cluster[1];
   cluster[0].id = cudaLaunchAttributeClusterDimension;
@@ -1663,31 +1724,6 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
   cluster[0].val.clusterDim.y = 1;
   cluster[0].val.clusterDim.z = static_cast<unsigned>(used);
   config.attrs = cluster;
-  config.numAttrs = 1;
-  // Split parts run as one cluster, merged on chip, when there are few enough of them and all
-  // the clusters are resident at once (clusters must fit within a GPU processing cluster, so
-  // fewer of them than blocks / parts may be: a second wave would cost more than the merge
-  // saves; on an H200, 32 clusters of 4 of these blocks ran as 1.5x the one-wave time).
-  bool cluster_merge = used > 1 && used <= kMaxClusterParts;
-  if (cluster_merge) {
-    // Asked once per kernel, cluster size and shared memory (the answer depends on all three).
-    static std::mutex mutex;
-    static std::map<std::tuple<const void*, int64_t, size_t>, int> resident;
-    const std::lock_guard<std::mutex> lock(mutex);
-    const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), used, config.dynamicSmemBytes);
-    auto it = resident.find(key);
-    if (it == resident.end()) {
-      cudaLaunchConfig_t one = config;
-      one.gridDim = dim3(1, 1, static_cast<unsigned>(used));
-      int clusters = 0;
-      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &one) != cudaSuccess) {
-        (void)cudaGetLastError();  // not an error of this launch: merge through the scratch
-        clusters = 0;
-      }
-      it = resident.emplace(key, clusters).first;
-    }
-    cluster_merge = static_cast<int64_t>(grid.x) * grid.y <= it->second;
-  }
   config.numAttrs = cluster_merge ? 1 : 0;
   const int64_t rows_per_split = std::max<int64_t>(per_split, 1) * tile_rows;
   const cudaError_t launched = cudaLaunchKernelEx(
