@@ -1625,6 +1625,16 @@ void SplitTiles(int64_t tiles, int64_t splits, int64_t* per_split, int64_t* used
   *used = splits > 1 ? (tiles + *per_split - 1) / *per_split : 1;
 }
 
+// The launch attribute that makes a query's `parts` split parts (grid z) one cluster.
+cudaLaunchAttribute PartsCluster(int64_t parts) {
+  cudaLaunchAttribute cluster = {};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 1;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = static_cast<unsigned>(parts);
+  return cluster;
+}
+
 // How many clusters of `parts` blocks of `kernel` (with `shared_bytes` of dynamic shared memory)
 // can be resident at once on the current device; 0 if it cannot be read. Asked once per kernel,
 // cluster size and shared memory (the answer depends on all three).
@@ -1639,11 +1649,7 @@ int ResidentClusters(const void* kernel, int64_t parts, size_t shared_bytes) {
     one.gridDim = dim3(1, 1, static_cast<unsigned>(parts));
     one.blockDim = dim3(kTcThreads);
     one.dynamicSmemBytes = shared_bytes;
-    cudaLaunchAttribute cluster[1];
-    cluster[0].id = cudaLaunchAttributeClusterDimension;
-    cluster[0].val.clusterDim.x = 1;
-    cluster[0].val.clusterDim.y = 1;
-    cluster[0].val.clusterDim.z = static_cast<unsigned>(parts);
+    cudaLaunchAttribute cluster[1] = {PartsCluster(parts)};
     one.attrs = cluster;
     one.numAttrs = 1;
     int clusters = 0;
@@ -1690,7 +1696,7 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
                  : fixed   ? TensorCoreAttentionKernel<kMaxHeadDim, false>
                            : TensorCoreAttentionKernel<0, false>;
   const size_t shared_bytes = TensorCoreSharedBytes(a.h, stage, tile_rows);
-  const int64_t blocks_per_part = a.t * ((a.n + kTcHeads - 1) / kTcHeads);
+  const int64_t clusters_needed = a.t * ((a.n + kTcHeads - 1) / kTcHeads);  // one a (query, head block)
   // Split parts run as one cluster, merged on chip, when there are few enough of them and all
   // the clusters are resident at once (clusters must fit within a GPU processing cluster, so
   // fewer of them than blocks / parts may be: a second wave would cost more than the merge
@@ -1706,7 +1712,7 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
     for (int64_t s = used; s >= 2 && !cluster_merge; --s) {
       int64_t s_per_split = 0, s_used = 0;
       SplitTiles(tiles, s, &s_per_split, &s_used);
-      if (s_used == s && blocks_per_part <= ResidentClusters(func, s, shared_bytes)) {
+      if (s_used == s && clusters_needed <= ResidentClusters(func, s, shared_bytes)) {
         per_split = s_per_split, used = s, cluster_merge = true;
       }
     }
@@ -1718,11 +1724,7 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
   config.blockDim = dim3(kTcThreads);
   config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
-  cudaLaunchAttribute cluster[1];
-  cluster[0].id = cudaLaunchAttributeClusterDimension;
-  cluster[0].val.clusterDim.x = 1;
-  cluster[0].val.clusterDim.y = 1;
-  cluster[0].val.clusterDim.z = static_cast<unsigned>(used);
+  cudaLaunchAttribute cluster[1] = {PartsCluster(used)};
   config.attrs = cluster;
   config.numAttrs = cluster_merge ? 1 : 0;
   const int64_t rows_per_split = std::max<int64_t>(per_split, 1) * tile_rows;
