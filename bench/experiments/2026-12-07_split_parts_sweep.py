@@ -25,16 +25,18 @@ def main() -> None:
     a = p.parse_args()
     default = attn_ffi.split_parts
     figures = []
-    for sweep in a.sweeps:
-        c, counts = sweep.split(":")
-        for parts in [None] + [int(x) for x in counts.split(",")]:
-            attn_ffi.split_parts = default if parts is None else (lambda q, slots, parts=parts: parts)
-            out = ffi_bench.main(["--decode", c, "--prefill", "0", "--ops", "sparse_attention", "--backends", "ffi",
-                                  "--timing", "profile", "--steps", str(a.steps), "--warmup", "2"])
-            ms = out["results"][0]["ffi"]["ms"]
-            figures.append({"C": int(c), "parts": parts or "default", "ms": ms})
-            print(f"SWEEP C{c} parts {parts or 'default'}: {1e3 * ms:.2f} us", flush=True)
-    attn_ffi.split_parts = default
+    try:
+        for sweep in a.sweeps:
+            c, counts = sweep.split(":")
+            for parts in [None] + [int(x) for x in counts.split(",")]:
+                attn_ffi.split_parts = default if parts is None else (lambda q, slots, parts=parts: parts)
+                out = ffi_bench.main(["--decode", c, "--prefill", "0", "--ops", "sparse_attention", "--backends",
+                                      "ffi", "--timing", "profile", "--steps", str(a.steps), "--warmup", "2"])
+                ms = out["results"][0]["ffi"]["ms"]
+                figures.append({"C": int(c), "parts": parts or "default", "ms": ms})
+                print(f"SWEEP C{c} parts {parts or 'default'}: {1e3 * ms:.2f} us", flush=True)
+    finally:
+        attn_ffi.split_parts = default
     if a.json_path:
         with open(a.json_path, "w") as f:
             json.dump(figures, f, indent=1)

@@ -1617,6 +1617,10 @@ bool ProducerRegistersBalance() {
   return ok;
 }
 
+// Whether an unsplit FLASH FP8 call on the current device uses a decoded-table workspace when
+// given one: an SM90 device and ProducerAttentionKernel<true> built with its register budget.
+bool DecodedTablesServed() { return WgmmaOnDevice() && ProducerRegistersBalance<true>(); }
+
 // How `tiles` tiles split into at most `splits` parts: *per_split tiles a part and *used parts
 // (no empty trailing parts; 1 part for splits <= 1).
 void SplitTiles(int64_t tiles, int64_t splits, int64_t* per_split, int64_t* used) {
@@ -1684,7 +1688,7 @@ ffi::Error LaunchTensorCore(cudaStream_t stream, const AttentionArgs& a, const v
   int64_t per_split = 0, used = 0;
   SplitTiles(tiles, a.splits, &per_split, &used);
   if (flash_fp8 && used == 1 && WgmmaOnDevice()) {
-    if (a.decoded_rows > 0 && ProducerRegistersBalance<true>()) {
+    if (a.decoded_rows > 0 && DecodedTablesServed()) {
       return LaunchProducer<true>(stream, a, q, window_idx, comp_idx, sink, out, decoded, scale);
     }
     if (ProducerRegistersBalance<false>()) {
@@ -1787,13 +1791,10 @@ extern "C" int64_t Dsv4MultiprocessorCount() {
   return count;
 }
 
-// 1 if an unsplit FLASH FP8 call on the current device would use a decoded-table workspace (an
-// SM90 device and the producer kernel built as LaunchTensorCore requires), else 0: through ctypes,
-// dsv4/ops/sparse_attention/ffi.py asks for the workspace only then (elsewhere it would be
-// allocated and ignored).
-extern "C" int64_t Dsv4DecodedTablesServed() {
-  return dsv4::WgmmaOnDevice() && dsv4::ProducerRegistersBalance<true>() ? 1 : 0;
-}
+// 1 if an unsplit FLASH FP8 call on the current device would use a decoded-table workspace
+// (DecodedTablesServed), else 0: through ctypes, dsv4/ops/sparse_attention/ffi.py asks for the
+// workspace only then (elsewhere it would be allocated and ignored).
+extern "C" int64_t Dsv4DecodedTablesServed() { return dsv4::DecodedTablesServed() ? 1 : 0; }
 
 namespace ffi = xla::ffi;
 
