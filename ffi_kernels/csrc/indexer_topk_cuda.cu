@@ -1112,7 +1112,7 @@ ffi::Error IndexerTopkCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ff
                       a.t >= kMaxPairedQueries * TopkBlocksPerSm(scorer, kMaxPairedQueries) * sms;
   // On SM90 the model's FP4 keys are scored on wgmma with the keys in registers (WgmmaRsScores),
   // where its 32-bit rows and its pools (RsFits) allow; otherwise by the mma.sync kernels below.
-  static const bool wgmma = WgmmaOnDevice();
+  const bool wgmma = WgmmaOnDevice();
   const bool rows32 = a.keys.rows + 2 * a.epp < (int64_t{1} << 31);  // WgmmaRsScores' 32-bit rows
   if (scorer == Scorer::kMmaIndexFp4 && wgmma && rows32 && RsFits(a.k)) {
     static const cudaError_t attr =

@@ -32,16 +32,21 @@ constexpr bool kWgmmaCompiled = true;
 constexpr bool kWgmmaCompiled = false;
 #endif
 
-// Host: whether the current device runs this build's SM90a code, where the kWgmmaCompiled paths
-// have their bodies: compute capability 9 (the build's 90a; an SM120 device runs its 120a code).
+// Host: whether the device runs this build's SM90a code, where the kWgmmaCompiled paths have
+// their bodies: compute capability 9 (the build's 90a; an SM120 device runs its 120a code).
+// Queried once per process, like the multiprocessor count and the shared-memory opt-in: a
+// process's GPUs are one kind.
 inline bool WgmmaOnDevice() {
-  int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return major == 9;
+  static const bool sm90 = [] {
+    int device = 0, major = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return major == 9;
+  }();
+  return sm90;
 }
 
 // Byte offset of row r's 16-byte chunk c in a core-matrix layout of `chunks` chunks a row.
