@@ -705,38 +705,81 @@ __device__ __forceinline__ void RegisterStage(int base, int size, int stride, ui
 }
 
 // Every stage of blocks `first_size` .. `last_size` with stride <= min(32, size / 2), on each
-// warp's segments (kBlock threads).
+// warp's segments (kBlock threads). Called for blocks 2 .. kSegment (the segments sorted) or
+// for one larger block (its strides 32 .. 1): both unrolled, so that every stride is a
+// constant (shuffles with immediate lane masks, no loop).
 template <int kBlock>
 __device__ void RegisterStages(uint64_t* keys, int n_sort, int first_size, int last_size) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int base = warp * kSegment; base < n_sort; base += kBlock / 32 * kSegment) {
     uint64_t key[2] = {keys[base + lane], keys[base + lane + 32]};
-    for (int size = first_size; size <= last_size; size <<= 1) {
-      for (int stride = min(32, size / 2); stride > 0; stride >>= 1) RegisterStage(base, size, stride, key);
+    if (last_size <= kSegment) {  // (first_size is 2)
+#pragma unroll
+      for (int size = 2; size <= kSegment; size <<= 1) {
+#pragma unroll
+        for (int stride = size / 2; stride > 0; stride >>= 1) RegisterStage(base, size, stride, key);
+      }
+    } else {  // (first_size == last_size)
+#pragma unroll
+      for (int stride = 32; stride > 0; stride >>= 1) RegisterStage(base, last_size, stride, key);
     }
     keys[base + lane] = key[0];
     keys[base + lane + 32] = key[1];
   }
 }
 
+// The stages of block `size` with strides `low` .. `low` << (bits - 1) (all >= kSegment), in
+// one pass over shared memory: each thread takes groups of 2^bits entries that those strides
+// pair among themselves (base + j * low, j < 2^bits), runs the stages on them in registers,
+// highest stride first, and stores them back; one block barrier for `bits` stages.
+template <int kBlock, int kBits>
+__device__ void GroupStages(uint64_t* keys, int n_sort, int size, int low) {
+  constexpr int kGroup = 1 << kBits;
+  for (int g = threadIdx.x; g < n_sort / kGroup; g += kBlock) {
+    const int base = (g & (low - 1)) | ((g & ~(low - 1)) << kBits);  // zeros at the strides' bits
+    const bool ascending = (base & size) == 0;                       // (size's bit is above them)
+    uint64_t key[kGroup];
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) key[j] = keys[base + j * low];
+#pragma unroll
+    for (int bit = kGroup / 2; bit > 0; bit >>= 1) {
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) {
+        if ((j & bit) == 0 && ascending == (key[j | bit] > key[j])) {
+          const uint64_t k0 = key[j];
+          key[j] = key[j | bit];
+          key[j | bit] = k0;
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) keys[base + j * low] = key[j];
+  }
+}
+
+// The most strides a GroupStages pass takes (2^kMaxGroupBits keys in registers a thread).
+constexpr int kMaxGroupBits = 3;
+
 // Sorts keys [0, n_sort) (a power of two >= kSegment) largest first: blocks up to 64 entries
-// wholly in registers, then for each larger block its strides >= 64 in shared memory and the
-// rest in registers (kBlock threads).
+// wholly in registers, then for each larger block its strides >= 64 in shared memory, up to
+// kMaxGroupBits a pass (GroupStages), and the rest in registers (kBlock threads).
 template <int kBlock>
 __device__ void SortKeys(uint64_t* keys, int n_sort) {
   RegisterStages<kBlock>(keys, n_sort, 2, kSegment);
   __syncthreads();
   for (int size = 2 * kSegment; size <= n_sort; size <<= 1) {
-    for (int stride = size / 2; stride >= kSegment; stride >>= 1) {
-      for (int e = threadIdx.x; e < n_sort; e += kBlock) {
-        const int partner = e ^ stride;
-        if (partner > e) {
-          const bool ascending = (e & size) == 0;
-          const uint64_t mine = keys[e], other = keys[partner];
-          if (ascending == (other > mine)) keys[e] = other, keys[partner] = mine;
-        }
+    for (int stride = size / 2; stride >= kSegment;) {  // the highest stride of the passes left
+      const int bits = min(kMaxGroupBits, 31 - __clz(stride / kSegment) + 1);
+      const int low = stride >> (bits - 1);
+      if (bits == 3) {
+        GroupStages<kBlock, 3>(keys, n_sort, size, low);
+      } else if (bits == 2) {
+        GroupStages<kBlock, 2>(keys, n_sort, size, low);
+      } else {
+        GroupStages<kBlock, 1>(keys, n_sort, size, low);
       }
       __syncthreads();
+      stride = low / 2;
     }
     RegisterStages<kBlock>(keys, n_sort, size, size);
     __syncthreads();
@@ -924,11 +967,25 @@ __device__ void SelectTopk(const void* q, Elem q_type, const float* w, const Tab
       PoolSink<kQueries, kBlock> sink{sel, pool, capacity, static_cast<int>(k_n)};
       Scores<kScorer, kQueries>(q, q_type, w, keys, page_table, p_n, epp, ts, 0, visible, i_n, j_n, smem, sink);
     } else if constexpr (kQueries == 1) {  // scored mode (never paired)
+      // The row is read kRowLoads steps at a time, all their loads issued before the first
+      // append (a 4k context's 1024 candidates in one round trip): the step barriers would
+      // otherwise put one load latency in each step.
+      constexpr int kRowLoads = 4;
       const float* row = scores + ts[0] * s_n;
-      for (int64_t base = 0; base < visible[0]; base += kBlock) {
-        const int64_t s = base + threadIdx.x;
-        Append(sel[0], pool, s < visible[0] ? SortKey(row[s], s) : 0, s < visible[0]);
-        AfterStep<1, kBlock>(sel, pool, capacity, static_cast<int>(k_n), kBlock);
+      for (int64_t base = 0; base < visible[0]; base += kRowLoads * kBlock) {
+        float score[kRowLoads];
+#pragma unroll
+        for (int r = 0; r < kRowLoads; ++r) {
+          const int64_t s = base + r * kBlock + threadIdx.x;
+          score[r] = s < visible[0] ? row[s] : 0.0f;
+        }
+#pragma unroll
+        for (int r = 0; r < kRowLoads; ++r) {
+          const int64_t step = base + r * kBlock, s = step + threadIdx.x;
+          if (step >= visible[0]) break;  // (the same at every thread)
+          Append(sel[0], pool, SortKey(score[r], s), s < visible[0]);
+          AfterStep<1, kBlock>(sel, pool, capacity, static_cast<int>(k_n), kBlock);
+        }
       }
     }
     __syncthreads();  // the last appends done
