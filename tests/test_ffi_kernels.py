@@ -154,15 +154,20 @@ def test_sparse_attention_paged_matches_the_reference(fmt, dtype, t, with_pool):
     _close(got, want, dtype)
 
 
-def _check_bf16_attention(rng, fmt, n, h, rope, t, *, comp_rows, comp_slots, comp_scale=1.0, q_scale=1.0):
+def _check_bf16_attention(rng, fmt, n, h, rope, t, *, comp_rows, comp_slots, comp_scale=1.0, q_scale=1.0,
+                          empty_from=None):
     """bf16 attention over a 50-row ring (40 window slots) and a pool of `comp_rows` rows
-    (`comp_slots` slots) in `fmt`, through the FFI kernel (jitted) vs the reference."""
+    (`comp_slots` slots, those from `empty_from` on all -1) in `fmt`, through the FFI kernel
+    (jitted) vs the reference."""
     dtype = jnp.bfloat16
     ring = _table(rng, fmt, 50, h, rope, dtype)
     fresh = EntryTable.from_values(jnp.asarray(rng.normal(size=(t, h)), dtype), like=ring)
     window_idx = jnp.asarray(_window_idx(rng, t, 40, ring.rows, t))
     comp = _table(rng, fmt, comp_rows, h, rope, dtype, scale=comp_scale)
-    comp_idx = jnp.asarray(_comp_idx(rng, t, comp_slots, comp.rows))
+    comp_idx = _comp_idx(rng, t, comp_slots, comp.rows)
+    if empty_from is not None:
+        comp_idx[:, empty_from:] = -1
+    comp_idx = jnp.asarray(comp_idx)
     q = jnp.asarray(q_scale * rng.normal(size=(t, n, h)), dtype)
     sink = jnp.asarray(rng.normal(size=(n,)), jnp.float32)
     args = (q, (ring, fresh), window_idx, comp, comp_idx, sink, h ** -0.5)
@@ -210,6 +215,19 @@ def test_fp8_attention_at_decode_batch_sizes_that_merge_in_smaller_clusters_matc
     # (sparse_attention_cuda.cu, LaunchTensorCore). The CPU library runs its one kernel.
     _check_bf16_attention(np.random.default_rng(t), EntryFormat.KV_FP8, 64, 512, 64, t, comp_rows=800,
                           comp_slots=600)
+
+
+@pytest.mark.parametrize("n, comp_slots, empty_from", [(64, 280, None), (70, 600, None), (64, 600, 100)])
+@pytest.mark.parametrize("t", [1, 5])
+def test_fp8_attention_split_in_whole_pairs_of_tiles_matches_the_reference(n, comp_slots, empty_from, t):
+    # Decode sizes in the model's FP8 layout: on SM90 the CUDA handler splits a query over the
+    # producer kernel in parts of whole pairs of 64-row tiles, one cluster a query (40 + 280
+    # slots: 5 tiles, so a last part of one tile and an empty one; 640: 10 tiles; 70 heads: two
+    # head blocks a query, so twice the clusters). With the pool's slots from 100 on empty, the
+    # parts past the first hold no entry at all: they must add nothing to the merge. q scaled so
+    # that the parts' maxima lie many octaves apart.
+    _check_bf16_attention(np.random.default_rng(n + comp_slots + t), EntryFormat.KV_FP8, n, 512, 64, t,
+                          comp_rows=800, comp_slots=comp_slots, q_scale=8.0, empty_from=empty_from)
 
 
 def _decode_tables(monkeypatch, decoded: bool) -> None:
