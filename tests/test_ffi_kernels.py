@@ -220,9 +220,8 @@ def test_fp8_attention_at_decode_batch_sizes_that_merge_in_smaller_clusters_matc
 @pytest.mark.parametrize("n, comp_slots, empty_from", [(64, 280, None), (70, 600, None), (64, 600, 100)])
 @pytest.mark.parametrize("t", [1, 5])
 def test_fp8_attention_split_in_whole_pairs_of_tiles_matches_the_reference(n, comp_slots, empty_from, t):
-    # Decode sizes in the model's FP8 layout, split by the CUDA handler: 1 query in parts of
-    # 64-row tiles (up to 8 merged in a cluster, more through the scratch), 5 queries in clusters;
-    # with bench/experiments/2026-12-07_attention_producer_split_decode.patch (SM90), in parts of
+    # Decode sizes in the model's FP8 layout, split by the CUDA handler into parts of one 64-row
+    # tile (5 parts merged in a cluster, 10 through the scratch: more than 8); with bench/experiments/2026-12-07_attention_producer_split_decode.patch (SM90), in parts of
     # whole pairs of tiles on the producer kernel. 40 + 280 slots are 5 tiles (in pairs: a last
     # part of one tile and an empty one), 640 are 10; 70 heads make two head blocks a query, so
     # twice the clusters. With the pool's slots from 100 on empty, the parts past the first hold
