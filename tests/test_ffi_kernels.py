@@ -219,13 +219,15 @@ def test_fp8_attention_at_decode_batch_sizes_that_merge_in_smaller_clusters_matc
 
 @pytest.mark.parametrize("n, comp_slots, empty_from", [(64, 280, None), (70, 600, None), (64, 600, 100)])
 @pytest.mark.parametrize("t", [1, 5])
-def test_fp8_attention_split_in_whole_pairs_of_tiles_matches_the_reference(n, comp_slots, empty_from, t):
+def test_fp8_attention_split_at_decode_sizes_in_tiles_or_whole_pairs_matches_the_reference(n, comp_slots,
+                                                                                         empty_from, t):
     # Decode sizes in the model's FP8 layout, split by the CUDA handler into parts of one 64-row
-    # tile (5 parts merged in a cluster, 10 through the scratch: more than 8); with bench/experiments/2026-12-07_attention_producer_split_decode.patch (SM90), in parts of
+    # tile (5 parts merged in a cluster, 10 through the scratch: more than 8); with
+    # bench/experiments/2026-12-07_attention_producer_split_decode.patch (SM90), into parts of
     # whole pairs of tiles on the producer kernel. 40 + 280 slots are 5 tiles (in pairs: a last
     # part of one tile and an empty one), 640 are 10; 70 heads make two head blocks a query, so
-    # twice the clusters. With the pool's slots from 100 on empty, the parts past the first hold
-    # no entry at all: they must add nothing to the merge. q scaled so that the parts' maxima lie
+    # twice the parts. With the pool's slots from 100 on empty, the parts past the first hold no
+    # entry at all: they must add nothing to the merge. q scaled so that the parts' maxima lie
     # many octaves apart.
     _check_bf16_attention(np.random.default_rng(n + comp_slots + t), EntryFormat.KV_FP8, n, 512, 64, t,
                           comp_rows=800, comp_slots=comp_slots, q_scale=8.0, empty_from=empty_from)
