@@ -704,24 +704,24 @@ __device__ __forceinline__ void RegisterStage(int base, int size, int stride, ui
   }
 }
 
-// Every stage of blocks `first_size` .. `last_size` with stride <= min(32, size / 2), on each
-// warp's segments (kBlock threads). Called for blocks 2 .. kSegment (the segments sorted) or
-// for one larger block (its strides 32 .. 1): both unrolled, so that every stride is a
-// constant (shuffles with immediate lane masks, no loop).
+// The stages of stride <= 32 on each warp's segments (kBlock threads): for `size` kSegment
+// (SortKeys's first call), every stage of blocks 2 .. kSegment (each segment sorted, alternately ascending and
+// descending); for a larger block `size`, its strides 32 .. 1. Both unrolled, so that every
+// stride is a constant (shuffles with immediate lane masks, no loop).
 template <int kBlock>
-__device__ void RegisterStages(uint64_t* keys, int n_sort, int first_size, int last_size) {
+__device__ void RegisterStages(uint64_t* keys, int n_sort, int size) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int base = warp * kSegment; base < n_sort; base += kBlock / 32 * kSegment) {
     uint64_t key[2] = {keys[base + lane], keys[base + lane + 32]};
-    if (last_size <= kSegment) {  // (first_size is 2)
+    if (size <= kSegment) {
 #pragma unroll
-      for (int size = 2; size <= kSegment; size <<= 1) {
+      for (int block = 2; block <= kSegment; block <<= 1) {
 #pragma unroll
-        for (int stride = size / 2; stride > 0; stride >>= 1) RegisterStage(base, size, stride, key);
+        for (int stride = block / 2; stride > 0; stride >>= 1) RegisterStage(base, block, stride, key);
       }
-    } else {  // (first_size == last_size)
+    } else {
 #pragma unroll
-      for (int stride = 32; stride > 0; stride >>= 1) RegisterStage(base, last_size, stride, key);
+      for (int stride = 32; stride > 0; stride >>= 1) RegisterStage(base, size, stride, key);
     }
     keys[base + lane] = key[0];
     keys[base + lane + 32] = key[1];
@@ -765,7 +765,7 @@ constexpr int kMaxGroupBits = 3;
 // kMaxGroupBits a pass (GroupStages), and the rest in registers (kBlock threads).
 template <int kBlock>
 __device__ void SortKeys(uint64_t* keys, int n_sort) {
-  RegisterStages<kBlock>(keys, n_sort, 2, kSegment);
+  RegisterStages<kBlock>(keys, n_sort, kSegment);
   __syncthreads();
   for (int size = 2 * kSegment; size <= n_sort; size <<= 1) {
     for (int stride = size / 2; stride >= kSegment;) {  // the highest stride of the passes left
@@ -781,7 +781,7 @@ __device__ void SortKeys(uint64_t* keys, int n_sort) {
       __syncthreads();
       stride = low / 2;
     }
-    RegisterStages<kBlock>(keys, n_sort, size, size);
+    RegisterStages<kBlock>(keys, n_sort, size);
     __syncthreads();
   }
 }
