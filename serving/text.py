@@ -84,7 +84,12 @@ class TextStream:
         return self._release(self._held + self._detok.finish(), final=True)
 
     def _release(self, text: str, final: bool) -> str:
-        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+        # The stop is the stop string that is complete first in the text (the earliest end; of two
+        # ending together, the longer), as if it came a character at a time: so the text does not
+        # depend on how many tokens each step brings (speculative steps bring several), and a
+        # stop string that only a later token would complete never cuts before one that is here.
+        ends = [(i + len(s), i) for s in self._stop if (i := text.find(s)) >= 0]
+        cut = min(ends)[1] if ends else -1
         if cut >= 0:
             self.stopped, self._held = True, ""
             out = text[:cut]

@@ -27,6 +27,9 @@ def stream(text: str, stop, step: int = 1):
 @pytest.mark.parametrize("text, stop, want, stopped", [
     ("hello world. bye", ["."], "hello world", True),
     ("hello world. bye", ["world", "hello"], "", True),           # earliest stop wins
+    ("0ô0", ["ô", "0ô0"], "0", True),                              # the first complete: "0ô0" ends later
+    ("xabcd", ["abcd", "bc"], "xa", True),                         # whatever the tokens a step
+    ("xabc", ["bc", "abc"], "x", True),                            # ending together: the longer
     ("abcabd", ["abd"], "abc", True),                              # a false start is released later
     ("no stop here", ["zz"], "no stop here", False),
     ("tail ab", ["abc"], "tail ab", False),                        # a held prefix is released at the end
@@ -46,9 +49,14 @@ def test_stop_strings(text, stop, want, stopped):
 @given(text=st.text(max_size=40), stop=st.lists(st.text(min_size=1, max_size=4), max_size=3),
        step=st.integers(1, 4))
 def test_released_text_is_the_text_before_the_first_stop(text, stop, step):
+    # The first stop string is the one complete first, read a character at a time.
     _, pieces = stream(text, stop, step)
-    cuts = [text.find(s) for s in stop if text.find(s) >= 0]
-    assert "".join(pieces) == (text[:min(cuts)] if cuts else text)
+    ends = [n for n in range(len(text) + 1) if any(text[:n].endswith(s) for s in stop)]
+    want = text
+    if ends:
+        n = ends[0]
+        want = text[:n - max(len(s) for s in stop if text[:n].endswith(s))]
+    assert "".join(pieces) == want
 
 
 def test_after_a_stop_nothing_more_comes_out():
