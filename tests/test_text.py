@@ -28,7 +28,7 @@ def stream(text: str, stop, step: int = 1):
     ("hello world. bye", ["."], "hello world", True),
     ("hello world. bye", ["world", "hello"], "", True),           # earliest stop wins
     ("0ô0", ["ô", "0ô0"], "0", True),                              # the first complete: "0ô0" ends later
-    ("xabcd", ["abcd", "bc"], "xa", True),                         # whatever the tokens a step
+    ("xabcd", ["abcd", "bc"], "xa", True),                         # "bc" is complete first, at any step
     ("xabc", ["bc", "abc"], "x", True),                            # ending together: the longer
     ("abcabd", ["abd"], "abc", True),                              # a false start is released later
     ("no stop here", ["zz"], "no stop here", False),
@@ -51,11 +51,8 @@ def test_stop_strings(text, stop, want, stopped):
 def test_released_text_is_the_text_before_the_first_stop(text, stop, step):
     # The first stop string is the one complete first, read a character at a time.
     _, pieces = stream(text, stop, step)
-    ends = [n for n in range(len(text) + 1) if any(text[:n].endswith(s) for s in stop)]
-    want = text
-    if ends:
-        n = ends[0]
-        want = text[:n - max(len(s) for s in stop if text[:n].endswith(s))]
+    end = next((n for n in range(len(text) + 1) if any(text[:n].endswith(s) for s in stop)), None)
+    want = text if end is None else text[:end - max(len(s) for s in stop if text[:end].endswith(s))]
     assert "".join(pieces) == want
 
 

@@ -705,9 +705,9 @@ __device__ __forceinline__ void RegisterStage(int base, int size, int stride, ui
 }
 
 // The stages of stride <= 32 on each warp's segments (kBlock threads): for `size` kSegment
-// (SortKeys's first call), every stage of blocks 2 .. kSegment (each segment sorted, alternately ascending and
-// descending); for a larger block `size`, its strides 32 .. 1. Both unrolled, so that every
-// stride is a constant (shuffles with immediate lane masks, no loop).
+// (SortKeys's first call), every stage of blocks 2 .. kSegment (each segment sorted,
+// alternately ascending and descending); for a larger block `size`, its strides 32 .. 1. Both
+// unrolled, so that every stride is a constant (shuffles with immediate lane masks, no loop).
 template <int kBlock>
 __device__ void RegisterStages(uint64_t* keys, int n_sort, int size) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -759,6 +759,7 @@ __device__ void GroupStages(uint64_t* keys, int n_sort, int size, int low) {
 
 // The most strides a GroupStages pass takes (2^kMaxGroupBits keys in registers a thread).
 constexpr int kMaxGroupBits = 3;
+static_assert(kMaxGroupBits >= 1 && kMaxGroupBits <= 3, "SortKeys instantiates GroupStages for 1 to 3 strides");
 
 // Sorts keys [0, n_sort) (a power of two >= kSegment) largest first: blocks up to 64 entries
 // wholly in registers, then for each larger block its strides >= 64 in shared memory, up to
