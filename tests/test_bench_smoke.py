@@ -6,6 +6,7 @@ import math
 import pytest
 
 from bench.step_bench import main
+from tests.devices import require_devices
 
 
 def test_step_bench_runs_decode_and_prefill_cases_and_writes_its_results(tmp_path):
@@ -35,6 +36,7 @@ def test_step_bench_runs_the_step_on_the_ffi_kernels(tmp_path, capsys):
 
 
 def test_step_bench_runs_the_sharded_step_and_estimates_its_collectives(tmp_path):
+    require_devices(2)
     path = tmp_path / "bench_tp2.json"
     out = main(["--config", "tiny", "--layers", "3", "--decode", "2", "--prefill", "none", "--context", "40",
                 "--steps", "2", "--warmup", "1", "--deployment", "tp", "--mesh", "2", "--no-check-finite",

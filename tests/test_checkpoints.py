@@ -14,6 +14,7 @@ from checkpoints.loader import load_checkpoint
 from checkpoints.safetensors_io import CheckpointError, CheckpointReader, read_header, write_file
 from checkpoints.testing import write_tiny_checkpoint
 from dsv4.config import TINY
+from tests.devices import require_devices
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +210,7 @@ def test_loader_reports_progress(dense_dir):
 
 
 def test_loader_places_each_tensor_onto_its_mesh_shards(dense_dir):
+    require_devices(2)
     from dsv4 import sharding as sh
 
     placement = sh.Placement(sh.make_mesh(sh.Deployment.TP, (2,)), sh.Deployment.TP)

@@ -693,10 +693,10 @@ def test_backend_ffi_on_a_mesh_runs_shard_locally_and_generates_like_one_device(
     from checkpoints.testing import write_tiny_checkpoint
     from dsv4 import sharding as sh
     from tests.test_sharding import SHARDABLE_TINY
+    from tests.devices import require_devices
     from tests.tolerances import REL
 
-    if len(jax.devices()) < math.prod(sizes):
-        pytest.skip(f"needs {math.prod(sizes)} devices of the default platform")
+    require_devices(math.prod(sizes))
     write_tiny_checkpoint(SHARDABLE_TINY, tmp_path, seed=5)
     placement = sh.Placement(sh.make_mesh(sh.Deployment(deployment), sizes), sh.Deployment(deployment))
     local = placement.shard_ops(ops_for("ffi"))
