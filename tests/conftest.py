@@ -8,7 +8,9 @@ one of them compiles the same programs again. The run's first process makes a fr
 directory (nothing from an earlier run or another checkout can be served), names it in
 the environment, so pytest-xdist workers and the servers and scripts that tests start as
 subprocesses use the same one, and removes it at the end. `--compilation-cache-dir DIR`
-keeps one across runs (a developer's loop); `--no-compilation-cache` turns it off.
+(or JAX_COMPILATION_CACHE_DIR already set) keeps one across runs, a developer's loop; the
+cache is keyed by the whole program, so an entry can only serve the program it was compiled
+from. `--no-compilation-cache` turns it off.
 """
 
 import importlib.util
