@@ -172,6 +172,7 @@ def test_flash_width_sharded_step_moves_activations_not_weights(deployment, size
     gathered path), 64 tokens 384 (the grouped path). The same test runs on the GPU machine
     (`-m gpu` is not needed: it compiles for whatever the default backend is), where XLA's
     partitioner once gathered the dequantised experts that it leaves alone on CPU."""
+    require_devices(int(np.prod(sizes)))
     import re
 
     from bench.step_bench import bench_config
@@ -185,7 +186,6 @@ def test_flash_width_sharded_step_moves_activations_not_weights(deployment, size
         lambda: Transformer(storage_config(cfg, True), param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
     geometry = StateGeometry(num_slots=8, num_pages=8 * 33, page_tokens=128, max_pages_per_seq=33,
                              dtype=jnp.bfloat16)
-    require_devices(int(np.prod(sizes)))
     placement = sh.Placement(sh.make_mesh(deployment, sizes), deployment)
     state = jax.eval_shape(lambda: init_state(cfg, geometry))
     state_sh = placement.state_shardings(state)
