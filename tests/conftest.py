@@ -1,6 +1,7 @@
 """Test-wide settings: strict f32 matmuls (GPUs otherwise use TF32 for f32 dots), 8 CPU devices
-for the sharding tests (set before any backend starts), LLVM -O0 on CPU-only machines, a
-persistent XLA compilation cache shared by the whole run, the GPU marker, --update-golden.
+for the sharding tests (set before any backend starts), LLVM -O0 on CPU-only machines and no
+GEMM autotuning on GPU ones, a persistent XLA compilation cache shared by the whole run, the GPU
+marker, --update-golden.
 
 The compilation cache: many tests build a runner for the same tiny model, geometry and
 buckets, and each new runner traces a new `jax.jit`, so without a persistent cache every
@@ -29,14 +30,19 @@ def _cuda_plugin_installed() -> bool:
     return any(importlib.util.find_spec(f"jax_cuda{v}_plugin") is not None for v in (12, 13))
 
 
+# Compile for the tests' programs, which run for milliseconds and compile for seconds. Read
+# when the backend starts, so set before any test touches a device; subprocesses inherit them.
 if not _cuda_plugin_installed():
-    # CPU-only machines (CI): XLA's LLVM back end at -O0. The tiny models' programs run for
-    # milliseconds and compile for seconds, and -O0 cuts the suite's CPU time by about a third.
-    # Results may move by an ulp (no FMA contraction), and every comparison in the suite is
-    # between programs compiled alike or within a tolerance. Read when the backend starts, so
-    # set before any test touches a device; a GPU machine keeps -O2 (it also compiles the PTX).
-    os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
-                                                     "--xla_backend_optimization_level=0"]))
+    # CPU-only machines (CI): XLA's LLVM back end at -O0 cuts the suite's CPU time by about a
+    # third. Results may move by an ulp (no FMA contraction), and every comparison in the suite
+    # is between programs compiled alike or within a tolerance.
+    _COMPILE_FLAGS = "--xla_backend_optimization_level=0"
+else:
+    # GPU machines: no GEMM autotuning. XLA otherwise compiles and times several GEMM
+    # configurations for every matmul, most of a tiny program's compile time, and on a GPU
+    # shared by all the test workers the timings it picks by are noise. -O2 stays (PTX).
+    _COMPILE_FLAGS = "--xla_gpu_autotune_level=0"
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), _COMPILE_FLAGS]))
 
 _CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"  # also read by jax in every subprocess a test starts
 _OWNED_CACHE = None  # the directory this process made (removed at exit)

@@ -24,6 +24,15 @@ KV_FORMATS = [EntryFormat.DENSE, EntryFormat.DENSE_KV_QAT, EntryFormat.KV_FP8]
 INDEX_FORMATS = [EntryFormat.DENSE, EntryFormat.DENSE_INDEX_QAT, EntryFormat.INDEX_FP8, EntryFormat.INDEX_FP4]
 
 
+# The references run jitted, as one program each: run op by op, a GPU compiles every primitive of
+# them on its own, which made single tests take minutes there.
+ref_table_write = jax.jit(kv_write_ref.table_write)
+ref_sparse_attention = jax.jit(attn_ref.sparse_attention, static_argnums=4)
+ref_sparse_attention_paged = jax.jit(attn_ref.sparse_attention_paged, static_argnums=6)
+ref_indexer_topk = jax.jit(indexer_ref.indexer_topk, static_argnums=4)
+ref_indexer_topk_paged = jax.jit(indexer_ref.indexer_topk_paged, static_argnums=(4, 6))
+
+
 def _platform() -> str:
     return ffi_kernels.platform_of(jax.default_backend())
 
@@ -88,7 +97,7 @@ def test_kv_write_stores_what_the_reference_stores_bit_for_bit(fmt, dtype):
     values[2, 3] = 1e4  # saturates the grid's largest value in its block
     rows = np.array([4, -1, 0, 11, 12, 7, 2], np.int32)  # -1 and 12 (= rows) are dropped
     args = (jnp.asarray(rows), jnp.asarray(values, dtype))
-    want = kv_write_ref.table_write(table, *args)
+    want = ref_table_write(table, *args)
     got = jax.jit(kv_write_ffi.table_write)(table, *args)
     _assert_same_table(got, want)
     untouched = [r for r in range(12) if r not in rows]
@@ -148,7 +157,7 @@ def test_sparse_attention_paged_matches_the_reference(fmt, dtype, t, with_pool):
     q = jnp.asarray(rng.normal(size=(t, n, h)), dtype)
     sink = jnp.asarray(rng.normal(size=(n,)), jnp.float32)
     args = (q, (ring, fresh), window_idx, comp, comp_idx, sink, h ** -0.5)
-    want = attn_ref.sparse_attention_paged(*args)
+    want = ref_sparse_attention_paged(*args)
     got = jax.jit(attn_ffi.sparse_attention_paged, static_argnums=6)(*args)
     assert got.dtype == want.dtype and got.shape == want.shape
     _close(got, want, dtype)
@@ -172,7 +181,7 @@ def _check_bf16_attention(rng, fmt, n, h, rope, t, *, comp_rows, comp_slots, com
     sink = jnp.asarray(rng.normal(size=(n,)), jnp.float32)
     args = (q, (ring, fresh), window_idx, comp, comp_idx, sink, h ** -0.5)
     _close(jax.jit(attn_ffi.sparse_attention_paged, static_argnums=6)(*args),
-           attn_ref.sparse_attention_paged(*args), dtype)
+           ref_sparse_attention_paged(*args), dtype)
 
 
 @pytest.mark.parametrize("fmt", KV_FORMATS)
@@ -299,7 +308,7 @@ def test_attention_over_mixed_fp8_and_bf16_tables_matches_the_reference(ring_fmt
     sink = jnp.asarray(rng.normal(size=(n,)), jnp.float32)
     args = (q, (ring, fresh), window_idx, pool, comp_idx, sink, h ** -0.5)
     _close(jax.jit(attn_ffi.sparse_attention_paged, static_argnums=6)(*args),
-           attn_ref.sparse_attention_paged(*args), jnp.bfloat16)
+           ref_sparse_attention_paged(*args), jnp.bfloat16)
 
 
 def test_the_decoded_table_workspace_is_asked_for_only_where_rows_are_read_often(monkeypatch):
@@ -361,7 +370,7 @@ def test_a_split_scratch_leaves_the_result_unchanged(monkeypatch, parts):
     sink = jnp.asarray(rng.normal(size=(n,)), jnp.float32)
     args = (q, (ring, fresh), window_idx, None, None, sink, h ** -0.5)
     monkeypatch.setattr(attn_ffi, "split_parts", lambda q, slots: parts)
-    _close(attn_ffi.sparse_attention_paged(*args), attn_ref.sparse_attention_paged(*args), jnp.bfloat16)
+    _close(attn_ffi.sparse_attention_paged(*args), ref_sparse_attention_paged(*args), jnp.bfloat16)
 
 
 def test_sparse_attention_paged_with_nothing_selected_is_zero():
@@ -386,7 +395,7 @@ def test_whole_sequence_sparse_attention_matches_the_reference(dtype):
             m = rng.integers(1, x + 1)
             idx[bi, ti, rng.choice(x, m, replace=False)] = rng.choice(s, m, replace=False)
     sink = jnp.asarray(rng.normal(size=(n,)), jnp.float32)
-    want = attn_ref.sparse_attention(q, kv, jnp.asarray(idx), sink, 0.3)
+    want = ref_sparse_attention(q, kv, jnp.asarray(idx), sink, 0.3)
     got = attn_ffi.sparse_attention(q, kv, jnp.asarray(idx), sink, 0.3)
     _close(got, want, dtype)
 
@@ -413,7 +422,7 @@ def test_indexer_topk_paged_matches_the_reference(fmt, dtype, topk):
     t, pages, epp = 6, 6, 4
     q, w, keys, page_table = _indexer_case(rng, fmt, dtype, t, pages, epp, rows=30)
     limit = jnp.asarray([0, 3, 5, 24, 30, 17], jnp.int32)  # none visible, a few, some, all, past S
-    want = indexer_ref.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+    want = ref_indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
     got = jax.jit(indexer_ffi.indexer_topk_paged, static_argnums=(4, 6))(q, w, keys, page_table, epp, limit, topk)
     assert got.shape == want.shape == (t, min(topk, pages * epp))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -447,7 +456,7 @@ def test_indexer_topk_fused_and_scored_modes_match_the_reference(monkeypatch, mo
     page_table = rng.integers(0, 9, size=(t, pages)).astype(np.int32)  # page 8 is past the table: clipped
     page_table[2, 3] = -1
     limit = jnp.asarray([0, 70, 130, 160, 200], jnp.int32)
-    want = indexer_ref.indexer_topk_paged(q, w, keys, jnp.asarray(page_table), epp, limit, topk)
+    want = ref_indexer_topk_paged(q, w, keys, jnp.asarray(page_table), epp, limit, topk)
     got = indexer_ffi.indexer_topk_paged(q, w, keys, jnp.asarray(page_table), epp, limit, topk)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -466,7 +475,7 @@ def test_indexer_topk_keeps_up_to_2048_of_thousands_with_ties(monkeypatch, mode,
     w = jnp.asarray(rng.normal(size=(t, 4)), jnp.float32)
     page_table = jnp.asarray(rng.integers(0, 12, size=(t, pages)), jnp.int32)
     limit = jnp.asarray([2048, 2049, 3071, 0, 1000], jnp.int32)
-    want = indexer_ref.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+    want = ref_indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
     got = indexer_ffi.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -487,7 +496,7 @@ def test_indexer_topk_keeps_a_top_k_just_above_a_power_of_two(monkeypatch, t):
     limit = rng.integers(topk, pages * epp + 1, size=t)
     limit[::4] = rng.integers(0, topk, size=len(limit[::4]))  # and fewer visible than k
     limit = jnp.asarray(limit, jnp.int32)
-    want = indexer_ref.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+    want = ref_indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
     got = indexer_ffi.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -508,7 +517,7 @@ def test_indexer_topk_fp4_keys_with_large_scales(monkeypatch, mode, key_scale, m
     w = jnp.asarray(rng.normal(size=(t, 4)), jnp.float32)
     page_table = jnp.asarray(np.stack([rng.permutation(pages) for _ in range(t)]), jnp.int32)
     limit = jnp.asarray([pages * epp, 100, 40], jnp.int32)
-    want = indexer_ref.indexer_topk_paged(q, w, keys, page_table, epp, limit, 32)
+    want = ref_indexer_topk_paged(q, w, keys, page_table, epp, limit, 32)
     got = indexer_ffi.indexer_topk_paged(q, w, keys, page_table, epp, limit, 32)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -534,7 +543,7 @@ def test_indexer_topk_streams_a_long_context_through_its_pool(monkeypatch, ascen
     w = jnp.asarray(np.abs(rng.normal(size=(2, i))), jnp.float32)
     page_table = jnp.asarray(np.stack([np.arange(pages), rng.permutation(pages)]), jnp.int32)
     limit = jnp.asarray([rows, rows - 100], jnp.int32)
-    want = indexer_ref.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+    want = ref_indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
     got = indexer_ffi.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -564,7 +573,7 @@ def test_indexer_topk_pairs_a_requests_queries_on_a_long_chunk(monkeypatch, head
     limit[300] = 50
     limit[::7] = 0
     limit = jnp.asarray(limit, jnp.int32)
-    want = indexer_ref.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+    want = ref_indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
     got = indexer_ffi.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -595,7 +604,7 @@ def test_indexer_topk_pairs_follow_pages_of_any_size(monkeypatch, epp):
     limit = rng.integers(0, pages * epp + 1, size=t)
     limit[::5] = pages * epp
     limit = jnp.asarray(limit, jnp.int32)
-    want = indexer_ref.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
+    want = ref_indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
     got = indexer_ffi.indexer_topk_paged(q, w, keys, page_table, epp, limit, topk)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -617,7 +626,7 @@ def test_whole_sequence_indexer_topk_matches_the_reference():
     w = jnp.asarray(rng.normal(size=(b, t, i)), jnp.float32)
     limit = jnp.asarray((np.arange(t)[None] + 1) // 2 * np.ones((b, 1), np.int32), jnp.int32)
     for topk in (2, 5, 12):
-        want = indexer_ref.indexer_topk(q, k, w, limit, topk)
+        want = ref_indexer_topk(q, k, w, limit, topk)
         got = indexer_ffi.indexer_topk(q, k, w, limit, topk)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert indexer_ffi.indexer_topk(q, k[:, :0], w, limit * 0, 4).shape == (b, t, 0)
@@ -764,7 +773,8 @@ def test_the_step_runs_under_command_buffers_and_generates_like_the_reference(tm
     flags = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
     # No preallocation: this test's own process already holds most of the GPU's memory. The
     # conversion pass's log names the thunks it puts in each command buffer.
-    env = dict(os.environ, XLA_FLAGS=flags, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+    env = dict(os.environ, XLA_FLAGS=" ".join(filter(None, [os.environ.get("XLA_FLAGS"), flags])),
+               XLA_PYTHON_CLIENT_PREALLOCATE="false",
                TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="command_buffer_conversion_pass=2",
                PYTHONPATH=os.pathsep.join(sys.path))
     done = subprocess.run([sys.executable, "-c", _COMMAND_BUFFER_CHECK, str(tmp_path)], env=env,

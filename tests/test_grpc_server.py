@@ -23,11 +23,16 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
 import numpy as np
 import pytest
 
-for _module in ("grpc", "grpc_health", "grpc_reflection", "prometheus_client"):  # absent on the GPU machine
+for _module in ("grpc", "grpc_health", "grpc_reflection", "prometheus_client"):
     pytest.importorskip(_module)
+
+# One worker runs the whole file under `--dist loadgroup` (the GPU tier): its tests are quick and
+# share servers that take long to compile, which workers would otherwise each build again.
+pytestmark = pytest.mark.xdist_group("grpc_server")
 
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
@@ -42,6 +47,7 @@ from serving.demo_model import ensure_demo_checkpoint  # noqa: E402
 from serving.engine import Engine, EngineLimits, EngineRequest, SamplingParams  # noqa: E402
 from serving.proto import dsv4_serving_pb2 as pb  # noqa: E402
 from serving.proto import dsv4_serving_pb2_grpc as pb_grpc  # noqa: E402
+from tests.subprocesses import child_env  # noqa: E402
 from tests.test_engine import MockRunner, expected  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,6 +91,11 @@ def stats(stub) -> pb.ServerStats:
     return stub.GetStats(pb.GetStatsRequest(), timeout=10)
 
 
+def one_device() -> str:
+    """The served model's devices as ModelInfo names them (the fixtures serve on one device)."""
+    return f"1 x {jax.devices()[0].device_kind}"
+
+
 def idle(stub) -> bool:
     s = stats(stub)
     return s.open_streams == 0 and s.free_slots == s.total_slots and s.free_pages == s.total_pages
@@ -106,7 +117,7 @@ def drain_process(demo_dir, tmp_path_factory):
     cmd = [sys.executable, "-m", "serving.grpc_server", "--model", "tiny", "--demo-dir", demo_dir, "--host",
            "127.0.0.1", "--port", "0", "--metrics-port", "0", "--max-num-seqs", "1", "--max-num-batched-tokens",
            "4", "--bucket-tokens", "4", "--max-model-len", "512", "--compilation-cache", "", "--drain-timeout", "60"]
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    env = child_env(JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=stdout, stderr=stderr, env=env)
     proc.stdout_path, proc.stderr_path = out / "stdout", out / "stderr"
     yield proc
@@ -453,7 +464,8 @@ def test_health_reflection_model_info_and_metrics(served):
     info = served.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert (info.model, info.vocab_size, info.max_model_len, info.speculation) == ("tiny", V, MAX_LEN, "none")
     assert info.max_logprobs == 3 and list(info.eos_token_ids) == [TINY.eos_token_id] and info.has_chat_template
-    assert info.serving_config["max_num_seqs"] == "4" and "5 layers" in info.summary and "cpu" in info.device
+    assert info.serving_config["max_num_seqs"] == "4" and "5 layers" in info.summary
+    assert info.device == one_device()
     collect(served.stub, ids_request([3, 4], max_tokens=2, ignore_eos=True))
     text = urllib.request.urlopen(f"http://127.0.0.1:{served.metrics_port}/metrics", timeout=10).read().decode()
     for name in ('dsv4_requests_total{finish_reason="length"}', "dsv4_generation_tokens_total",
@@ -477,7 +489,7 @@ def test_load_bench_runs_against_the_server(served, tmp_path):
     assert s["requests"] == s["ok"] == 12 and not s["errors"]
     assert s["requests_per_s"] > 0 and s["output_tokens_per_s"] > 0
     assert 0 < s["ttft_p50_s"] <= s["latency_p99_s"] and s["latency_p50_s"] <= s["latency_p99_s"]
-    assert out["meta"]["server_step"]["steps"] > 0 and "1 x cpu" in out["meta"]["device"]
+    assert out["meta"]["server_step"]["steps"] > 0 and out["meta"]["device"] == one_device()
     assert out["summary"]["output_tokens"] == sum(r.sampling.max_tokens for r in make_load_requests())
 
 

@@ -18,6 +18,7 @@ from dsv4.ops.registry import ops_for
 from dsv4.state import StateGeometry
 from dsv4.step import StepRunner, make_buckets
 from tests import multihost_worker as worker
+from tests.subprocesses import child_env
 from tests.tolerances import REL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +34,7 @@ def test_processes_run_process_zeros_plan_even_when_one_diverges(tmp_path):
     ckpt = tmp_path / "ckpt"
     write_tiny_checkpoint(TINY.replace(num_attention_heads=8, o_groups=4, index_n_heads=8), ckpt, seed=2)
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = child_env()
     env.pop("XLA_FLAGS", None)
     procs = [subprocess.Popen([sys.executable, "-m", "tests.multihost_worker", str(i), str(port), str(ckpt),
                                str(tmp_path / f"out{i}.json")] + (["--diverge"] if i == 1 else []),

@@ -9,7 +9,8 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.subprocesses import ROOT, child_env
+
 NOTEBOOK = os.path.join(ROOT, "notebooks", "quickstart.ipynb")
 
 
@@ -20,9 +21,8 @@ def test_quickstart_notebook_runs():
     # venv), whatever kernels the machine has installed.
     km = KernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[]))
     # The repo root is the kernel's working directory (imports) and on its path (uninstalled checkouts).
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     client = NotebookClient(nb, km=km, timeout=300, allow_errors=False, resources={"metadata": {"path": ROOT}})
-    client.execute(env=env)  # raises CellExecutionError on the first failing cell
+    client.execute(env=child_env())  # raises CellExecutionError on the first failing cell
     assert all(c.get("outputs") is not None for c in nb.cells if c.cell_type == "code")
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
