@@ -5,7 +5,8 @@ Spec sections 6.1-6.4 (weights) and 5.5/5.6 (KV and indexer fake quantisation).
 Lifecycle: the ``dequant_*`` functions run at checkpoint load (or inside a jitted layer when
 weights stay packed); the ``quant_*`` / ``pack_fp4`` functions are their inverses, used to write
 quantised test checkpoints; the ``fake_quant_*`` functions run inside the forward pass wherever
-REF stores values that carry only FP8/FP4 information (KV cache, indexer query and keys); the
+REF stores values that carry only FP8/FP4 information (KV cache, indexer query and keys), and
+``fake_act_quant`` (with ``act_quant`` its storage form) before every FP8/FP4-weight GEMM; the
 ``encode_*`` / ``decode_*`` codecs store that same information narrow in a decode-state cache
 (written once per token, read every step) and decode to exactly the fake-quant result, so a
 cache-backed decode matches the teacher-forced forward bit for bit.
@@ -39,6 +40,7 @@ FP8_BLOCK = 128  # weight scale block (rows and columns), spec 6.1
 FP4_GROUP = 32  # FP4 expert scale group along K, spec 6.4
 KV_FP8_BLOCK = 64  # FP8 scale block of the KV cache's non-rope dims, spec 6.3
 INDEXER_FP4_BLOCK = 32  # FP4 scale block of indexer queries and keys, spec 5.5/5.6
+ACT_BLOCK = 128  # activation scale block along the reduced dim before FP8/FP4 GEMMs, spec 6.2
 E8M0_BIAS = 127  # E8M0 byte b encodes 2**(b - 127); b = 255 is NaN
 
 # e2m1 code -> value; bit 3 is the sign, so code 8 is -0 (kept: ml_dtypes decodes it as -0.0).
@@ -327,6 +329,39 @@ def fake_quant_fp8(x: ArrayLike, block: int = 64) -> jax.Array:
     bf16 x, exactly representable in bf16 (3 mantissa bits times a power of two).
     """
     return _fake_quant(jnp.asarray(x), block, _FP8_MAX, _round_e4m3)
+
+
+@jax.jit
+def act_quant(x: ArrayLike) -> tuple[jax.Array, jax.Array]:
+    """REF's ``act_quant`` (spec 6.2), the input of every FP8/FP4-weight GEMM.
+
+    x [..., K] -> (values float8_e4m3fn [..., K], scales f32 [..., ceil(K/128)]): per 128
+    contiguous elements of the reduced axis, scale = max(amax, 1e-4) / 448 rounded up to a power
+    of two and value = e4m3(x / scale), ties to even. The GEMM multiplies the values and scales
+    each block's partial product by its activation and weight scales.
+    """
+    x = jnp.asarray(x)
+    vals, scale = _quantize_blocks(x, ACT_BLOCK, _FP8_MAX, _round_e4m3)
+    vals = vals.reshape(*x.shape[:-1], -1)[..., : x.shape[-1]]
+    return vals.astype(jnp.float8_e4m3fn), scale[..., 0]
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def dequant_act(values_f8: ArrayLike, scale_f32: ArrayLike, out_dtype: DTypeLike) -> jax.Array:
+    """Inverse of ``act_quant``: values [..., K] times their block's scale, in out_dtype (exact)."""
+    v = jnp.asarray(values_f8).astype(jnp.float32)
+    g = _group_last(v, ACT_BLOCK)
+    return _dequantize_blocks(g, jnp.asarray(scale_f32, jnp.float32)[..., None], v.shape[-1], out_dtype)
+
+
+@jax.jit
+def fake_act_quant(x: ArrayLike) -> jax.Array:
+    """``act_quant`` and straight back, in x.dtype: what REF's FP8 GEMMs see of x.
+
+    Exact in bf16 and f32 (an e4m3 value times a power of two), so a matmul of this with the
+    dequantised weight, accumulated in f32, is REF's FP8 GEMM up to the order of the sum.
+    """
+    return fake_quant_fp8(x, block=ACT_BLOCK)
 
 
 def _kv_nope_width(d: int, rope_dim: int) -> int:

@@ -268,16 +268,16 @@ class Placement:
             return moe
         n = self.mesh_shape[axis]
 
-        def sharded(x_TD, sel_TK, w_TK, w1, w3, w2, limit):
+        def sharded(x_TD, sel_TK, w_TK, w1, w3, w2, limit, act_quant=False):
             experts = w1.num_experts
             if experts % n:
-                return moe(x_TD, sel_TK, w_TK, w1, w3, w2, limit)
+                return moe(x_TD, sel_TK, w_TK, w1, w3, w2, limit, act_quant)
             leaves, tree = jax.tree_util.tree_flatten((w1, w3, w2))
 
             def local(x, sel, w, *stored):
                 # Ids of other devices' experts fall outside [0, E/n): the op skips them.
                 first = jax.lax.axis_index(axis) * (experts // n)
-                y = moe(x, sel - first, w, *jax.tree_util.tree_unflatten(tree, stored), limit)
+                y = moe(x, sel - first, w, *jax.tree_util.tree_unflatten(tree, stored), limit, act_quant)
                 return jax.lax.psum(y, axis)
 
             specs = (PartitionSpec(),) * 3 + (PartitionSpec(axis),) * len(leaves)

@@ -83,7 +83,7 @@ def commit_context(head: DSparkHead | MTPHead, state: DraftState, taps_TXD: jax.
     if isinstance(head, MTPHead):
         entries = head.ring_entries(taps_TXD, positions_T, next_ids_T, embed_VD, ops)
     else:
-        entries = head.ring_entries(taps_TXD, positions_T)
+        entries = head.ring_entries(taps_TXD, positions_T, ops)
     entries = entries.astype(state.rings.dtype)  # [Z, T, H]
     s = state.ring_pos.shape[0]
     slot = jnp.where(valid_T, slots_T, s)  # out of range: dropped

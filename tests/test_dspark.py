@@ -38,7 +38,7 @@ def tables():
 def context(head, r, p, rng):
     """Rings filled for positions 0..p of r requests from random taps."""
     taps = jnp.asarray(rng.normal(size=(p + 1, len(CFG.dspark_target_layer_ids), CFG.hidden_size)), jnp.float32)
-    entries = head.ring_entries(taps, jnp.arange(p + 1))  # [Z, p+1, H]
+    entries = head.ring_entries(taps, jnp.arange(p + 1), ops_for("reference"))  # [Z, p+1, H]
     rings = np.zeros((CFG.num_draft_stages, r, RING, CFG.head_dim), np.float32)
     ring_pos = np.full((r, RING), -1, np.int32)
     for t in range(p + 1):

@@ -29,6 +29,7 @@ from dsv4.config import WeightFormat
 from dsv4.ops.moe_experts import (ExpertStack, moe_experts, moe_experts_gathered, moe_experts_grouped,
                                   moe_experts_loop, swiglu)
 from dsv4.ops.sparse_attention import sparse_attention
+from tests.test_quant import _np_fake_fp8
 
 # One tolerance table per dtype (STYLE.md).
 TOL = {
@@ -423,21 +424,24 @@ def _moe_inputs(rng, t, e, d, f, dtype=np.float32):
     return x, w1, w3, w2
 
 
-def _moe_oracle(x, sel, w, w1, w3, w2, limit, act_dtype=None):
+def _moe_oracle(x, sel, w, w1, w3, w2, limit, act_dtype=None, gemm_input=None):
     """Per-assignment NumPy float64 loop of y[t] = sum_k bf(silu(min(g,L))*clip(u,-L,L)*w) W2^T.
-    act_dtype=None: the cast is the identity (f32 inputs); else round the activation to it."""
+    act_dtype=None: the cast is the identity (f32 inputs); else round the activation to it.
+    gemm_input: applied to each GEMM's input row (x, then the activation), e.g. act quant."""
+    q = gemm_input or (lambda v: v)
     x, w1, w3, w2 = (np.asarray(a, np.float64) for a in (x, w1, w3, w2))
     y = np.zeros(x.shape)
     for ti in range(x.shape[0]):
+        xt = q(x[ti])
         for ki in range(sel.shape[1]):
             ex = sel[ti, ki]
-            g = w1[ex] @ x[ti]
-            u = w3[ex] @ x[ti]
+            g = w1[ex] @ xt
+            u = w3[ex] @ xt
             gc = np.minimum(g, limit)
             a = gc / (1.0 + np.exp(-gc)) * np.clip(u, -limit, limit) * float(w[ti, ki])
             if act_dtype is not None:
                 a = a.astype(act_dtype).astype(np.float64)
-            y[ti] += w2[ex] @ a
+            y[ti] += w2[ex] @ q(a)
     return y
 
 
@@ -589,6 +593,51 @@ def test_moe_paths_agree_on_stored_expert_formats(fmt):
         for name in ("gathered", "grouped", "auto"):
             np.testing.assert_allclose(_np(run[name](x, sel, w, *stored, limit=2.0)), want, **TOL[jnp.float32],
                                        err_msg=f"{name}, t={t}")
+
+
+def _np_act_quant(v):
+    """REF's act_quant round trip of one row, in NumPy (f32 rounding as the model's f32 path)."""
+    return _np_fake_fp8(np.asarray(v, np.float32)[None], 128)[0].astype(np.float64)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.FP4, WeightFormat.FP8])
+def test_moe_paths_quantise_both_gemm_inputs_with_act_quant(fmt):
+    """act_quant: x before w1/w3 and the weighted activation before w2 are REF's FP8 activations,
+    on every path and either side of the T*K < E switch; it really moves the result."""
+    rng = np.random.default_rng(12)
+    e, k, d, f = 8, 2, 256, 160  # two 128-blocks of D; F ends in a ragged block
+    mats = [rng.normal(size=shape).astype(np.float32) * 0.1 for shape in ((e, f, d), (e, f, d), (e, d, f))]
+    stored = [ExpertStack(*(quant.quant_fp4(m) if fmt is WeightFormat.FP4 else quant.quant_fp8_block(m)), fmt)
+              for m in mats]
+    dense = [_np(s.dense(jnp.float32)) for s in stored]
+    ops = {name: jax.jit(op, static_argnames=("limit", "act_quant")) for name, op in
+           (("loop", moe_experts_loop), ("gathered", moe_experts_gathered), ("grouped", moe_experts_grouped),
+            ("auto", moe_experts))}
+    for t in (3, 5):  # t*k = 6 < 8 (gathered), 10 (grouped)
+        x = rng.normal(size=(t, d)).astype(np.float32) * np.exp(rng.uniform(-3, 3, (t, 1))).astype(np.float32)
+        sel, w = _routing(rng, t, e, k, "random")
+        want = _moe_oracle(x, sel, w, *dense, 2.0, gemm_input=_np_act_quant)
+        plain = _moe_oracle(x, sel, w, *dense, 2.0)
+        assert np.abs(want - plain).max() > 1e-3 * np.abs(plain).max()
+        args = [jnp.asarray(a) for a in (x, sel, w)]
+        for name, op in ops.items():
+            np.testing.assert_allclose(_np(op(*args, *stored, limit=2.0, act_quant=True)), want, rtol=1e-5,
+                                       atol=1e-5 * np.abs(want).max(), err_msg=f"{name}, t={t}")
+
+
+def test_linear_act_quant_multiplies_refs_fp8_activations():
+    from dsv4.config import WeightFormat as WF
+    from dsv4.layers.linear import Linear
+    from flax import nnx
+
+    rng = np.random.default_rng(13)
+    x = jnp.asarray(rng.normal(size=(3, 4, 200)) * 7, jnp.bfloat16)
+    for act_quant in (False, True):
+        lin = Linear(200, 48, fmt=WF.FP8, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), act_quant=act_quant)
+        xin = quant.fake_act_quant(x) if act_quant else x
+        want = jnp.einsum("...i,oi->...o", xin, lin.dense(jnp.bfloat16), preferred_element_type=jnp.float32)
+        np.testing.assert_array_equal(_np(lin(x, jnp.float32)), _np(want))
+    assert not np.array_equal(_np(quant.fake_act_quant(x)), _np(x))
 
 
 def test_map_in_tiles_equals_one_pass_including_a_ragged_last_tile():

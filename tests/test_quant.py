@@ -303,6 +303,51 @@ def test_fake_quant_fp8_properties_bf16():
     np.testing.assert_array_equal(_np(quant.fake_quant_fp8(jnp.zeros((2, 64)))), 0.0)
 
 
+# ---------------------------------------------------------------- activation quantisation (spec 6.2)
+
+
+def _e4m3_grid_and_ties() -> np.ndarray:
+    """Every finite e4m3fn value of either sign and every midpoint between neighbours (the ties)."""
+    pos = np.unique(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    pos = pos[np.isfinite(pos) & (pos >= 0)]
+    mids = (pos[:-1] + pos[1:]) / 2  # exact in f32: 3-bit mantissas
+    half = np.concatenate([pos, mids])
+    return np.concatenate([half, -half])
+
+
+def test_act_quant_rounds_every_e4m3_value_and_tie_as_ml_dtypes():
+    """With a 448 in each 128-block the scale is exactly 1, so the values are a bare e4m3
+    rounding of x: ties to even, as ml_dtypes casts."""
+    x = _e4m3_grid_and_ties()
+    x = np.concatenate([x, np.zeros((-len(x)) % 127, np.float32)]).reshape(-1, 127)
+    x = np.concatenate([np.full((x.shape[0], 1), 448.0, np.float32), x], axis=-1)
+    values, scale = quant.act_quant(jnp.asarray(x))
+    assert values.dtype == jnp.float8_e4m3fn and values.shape == x.shape and scale.shape == (x.shape[0], 1)
+    np.testing.assert_array_equal(_np(scale), 1.0)
+    _same_bits_f32(_np(values.astype(jnp.float32)), x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
+
+
+@pytest.mark.parametrize("shape", [(3, 256), (2, 5, 384), (4, 200), (1, 64)])  # ragged K: its own last block
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_act_quant_blocks_of_128_match_the_numpy_oracle(shape, dtype):
+    rng = np.random.default_rng(shape[-1])
+    x = (rng.standard_normal(shape) * np.exp(rng.uniform(-6, 6, shape[:-1] + (1,)))).astype(np.float32)
+    x[..., :64] *= 1e-7  # part of a block far below the others' magnitude
+    if shape[-1] > 128:
+        x[0, ..., 128:256] = 0.0  # an all-zero block: the floored amax
+    x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+    values, scale = quant.act_quant(jnp.asarray(x, dtype))
+    assert scale.shape == shape[:-1] + (math.ceil(shape[-1] / 128),) and scale.dtype == jnp.float32
+    amax = np.maximum(np.abs(np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (-shape[-1]) % 128)]))
+                      .reshape(*shape[:-1], -1, 128).max(-1).astype(np.float64), 1e-4)
+    np.testing.assert_array_equal(_np(scale), 2.0 ** np.ceil(np.log2(amax / 448.0)))
+    want = _np_fake_fp8(x, 128)
+    fake = quant.fake_act_quant(jnp.asarray(x, dtype))
+    assert fake.dtype == dtype
+    _same_bits_f32(_np(fake.astype(jnp.float32)), want)  # exact in bf16 as in f32
+    _same_bits_f32(_np(quant.dequant_act(values, scale, jnp.float32)), want)
+
+
 @pytest.mark.parametrize("d,rope", [(512, 64), (80, 16), (64, 64), (40, 8)])
 def test_fake_quant_kv_leaves_rope_untouched(d, rope):
     rng = np.random.default_rng(8)

@@ -120,7 +120,8 @@ class Indexer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, param_dtype: jnp.dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         n_i, d_j = cfg.index_n_heads, cfg.index_head_dim
-        self.wq_b = Linear(cfg.q_lora_rank, n_i * d_j, fmt=cfg.weight_format, param_dtype=param_dtype, rngs=rngs)
+        self.wq_b = Linear(cfg.q_lora_rank, n_i * d_j, fmt=cfg.weight_format, param_dtype=param_dtype, rngs=rngs,
+                           act_quant=cfg.fake_quant)
         self.weights_proj = Linear(cfg.hidden_size, n_i, fmt=WeightFormat.BF16, param_dtype=param_dtype, rngs=rngs)
         self.compressor = Compressor(cfg, dim=d_j, ratio=cfg.csa_ratio, overlap=True, param_dtype=param_dtype,
                                      rngs=rngs)
@@ -130,7 +131,7 @@ class Indexer(nnx.Module):
         cfg = self.cfg
         b, t, _ = x_BTD.shape
         positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
-        q = self.wq_b(qr_BTL).reshape(b, t, cfg.index_n_heads, cfg.index_head_dim)
+        q = self.wq_b(qr_BTL, ops=ops).reshape(b, t, cfg.index_n_heads, cfg.index_head_dim)
         q = apply_rope(q, positions, freqs)
         keys = self.compressor(x_BTD, freqs)
         if cfg.fake_quant:
@@ -147,7 +148,7 @@ class Indexer(nnx.Module):
         cfg, t = self.cfg, x_TD.shape[0]
         r = cfg.csa_ratio
         epp = geometry.entries_per_page(r)
-        q = apply_rope(self.wq_b(qr_TL).reshape(t, cfg.index_n_heads, cfg.index_head_dim), ctx.positions, freqs)
+        q = apply_rope(self.wq_b(qr_TL, ops=ops).reshape(t, cfg.index_n_heads, cfg.index_head_dim), ctx.positions, freqs)
         ring, keys = self.compressor.step(x_TD, ctx, ring, geometry.compressor_ring_size(r, True), keys, epp, freqs,
                                           ops)
         if cfg.fake_quant:
@@ -170,15 +171,17 @@ class Attention(nnx.Module):
         self.kind = cfg.layer_types[layer]
         fmt = cfg.weight_format
         d, n, h = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-        self.wq_a = Linear(d, cfg.q_lora_rank, fmt=fmt, param_dtype=param_dtype, rngs=rngs)
+        aq = cfg.fake_quant  # REF's act_quant before each FP8 GEMM; wo_a is dequantised, unquantised input
+        self.wq_a = Linear(d, cfg.q_lora_rank, fmt=fmt, param_dtype=param_dtype, rngs=rngs, act_quant=aq)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, param_dtype)
-        self.wq_b = Linear(cfg.q_lora_rank, n * h, fmt=fmt, param_dtype=param_dtype, rngs=rngs)
-        self.wkv = Linear(d, h, fmt=fmt, param_dtype=param_dtype, rngs=rngs)
+        self.wq_b = Linear(cfg.q_lora_rank, n * h, fmt=fmt, param_dtype=param_dtype, rngs=rngs, act_quant=aq)
+        self.wkv = Linear(d, h, fmt=fmt, param_dtype=param_dtype, rngs=rngs, act_quant=aq)
         self.kv_norm = RMSNorm(h, cfg.rms_norm_eps, param_dtype)
         self.attn_sink = nnx.Param(jnp.zeros((n,), jnp.float32))
         self.wo_a = Linear(cfg.group_in_dim, cfg.o_groups * cfg.o_lora_rank, fmt=fmt, param_dtype=param_dtype,
                            rngs=rngs)
-        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, d, fmt=fmt, param_dtype=param_dtype, rngs=rngs)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, d, fmt=fmt, param_dtype=param_dtype, rngs=rngs,
+                           act_quant=aq)
         if self.kind is not AttentionKind.SLIDING:
             overlap = self.kind is AttentionKind.CSA
             self.compressor = Compressor(cfg, dim=h, ratio=cfg.compress_ratio(layer), overlap=overlap,
@@ -187,14 +190,14 @@ class Attention(nnx.Module):
             self.indexer = Indexer(cfg, param_dtype=param_dtype, rngs=rngs)
         self.freqs = layer_frequencies(cfg, layer)
 
-    def project_in(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def project_in(self, x: jax.Array, positions: jax.Array, ops: OpSet) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(q [..., N, H] normed and rotated, q low-rank latent qr [..., L], kv [..., H] rotated, raw)."""
         cfg = self.cfg
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).reshape(*x.shape[:-1], cfg.num_attention_heads, cfg.head_dim)
+        qr = self.q_norm(self.wq_a(x, ops=ops))
+        q = self.wq_b(qr, ops=ops).reshape(*x.shape[:-1], cfg.num_attention_heads, cfg.head_dim)
         q = rms_norm(q, None, cfg.rms_norm_eps)  # per head, all H dims, before RoPE
         q = apply_rope(q, positions, self.freqs)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), positions, self.freqs)
+        kv = apply_rope(self.kv_norm(self.wkv(x, ops=ops)), positions, self.freqs)
         return q, qr, kv
 
     def __call__(self, x_BTD: jax.Array, ops: OpSet) -> jax.Array:
@@ -202,7 +205,7 @@ class Attention(nnx.Module):
         b, t, _ = x_BTD.shape
         h = cfg.head_dim
         positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
-        q, qr, kv = self.project_in(x_BTD, positions)
+        q, qr, kv = self.project_in(x_BTD, positions, ops)
         if cfg.fake_quant:
             kv = quant.fake_quant_kv(kv, cfg.qk_rope_head_dim)
 
@@ -221,7 +224,7 @@ class Attention(nnx.Module):
 
         o = ops.sparse_attention(q, kv_all, idx, self.attn_sink[...], h ** -0.5)
         o = apply_rope(o, positions, self.freqs, inverse=True)
-        return self.project_out(o)
+        return self.project_out(o, ops)
 
     def step(self, x_TD: jax.Array, ctx: StepContext, st: LayerState, geometry: StateGeometry,
              ops: OpSet) -> tuple[LayerState, jax.Array]:
@@ -232,7 +235,7 @@ class Attention(nnx.Module):
         entries completed in this step are written first, then read like older ones.
         """
         cfg = self.cfg
-        q, qr, kv = self.project_in(x_TD, ctx.positions)
+        q, qr, kv = self.project_in(x_TD, ctx.positions, ops)
         ring_size = geometry.ring_size(cfg)
         fresh = EntryTable.from_values(kv, like=st.window)
         w = cfg.sliding_window
@@ -262,9 +265,9 @@ class Attention(nnx.Module):
         o = ops.sparse_attention_paged(q, (st.window, fresh), window_idx, comp, comp_idx, self.attn_sink[...],
                                        cfg.head_dim ** -0.5)
         o = apply_rope(o, ctx.positions, self.freqs, inverse=True)
-        return new_st, self.project_out(o[None])[0]
+        return new_st, self.project_out(o[None], ops)[0]
 
-    def project_out(self, o_BTNH: jax.Array) -> jax.Array:
+    def project_out(self, o_BTNH: jax.Array, ops: OpSet) -> jax.Array:
         """Grouped output projection: group g (heads g*N/G ..) -> rank L via its own block of wo_a, then wo_b."""
         cfg = self.cfg
         b, t = o_BTNH.shape[:2]
@@ -272,7 +275,7 @@ class Attention(nnx.Module):
         og = o_BTNH.reshape(b, t, g, cfg.group_in_dim)
         wo_a = self.wo_a.dense(og.dtype).reshape(g, rank, cfg.group_in_dim)
         z = jnp.einsum("btgi,gli->btgl", og, wo_a, preferred_element_type=jnp.float32).astype(og.dtype)
-        return self.wo_b(z.reshape(b, t, g * rank))
+        return self.wo_b(z.reshape(b, t, g * rank), ops=ops)
 
 
 def _window_indices(t: int, window: int) -> jax.Array:

@@ -76,7 +76,7 @@ class DSparkStage(Block):
         d = cfg.hidden_size
         if stage == 0:
             self.main_proj = Linear(len(cfg.dspark_target_layer_ids) * d, d, fmt=cfg.weight_format,
-                                    param_dtype=param_dtype, rngs=rngs)
+                                    param_dtype=param_dtype, rngs=rngs, act_quant=cfg.fake_quant)
             self.main_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype)
         if stage == n_stages - 1:
             self.norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype)
@@ -84,10 +84,10 @@ class DSparkStage(Block):
             self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, param_dtype, rngs)
             self.confidence_head = ConfidenceHead(d + cfg.dspark_markov_rank, param_dtype, rngs)
 
-    def context_kv(self, main_x_TD: jax.Array, positions_T: jax.Array) -> jax.Array:
+    def context_kv(self, main_x_TD: jax.Array, positions_T: jax.Array, ops: OpSet) -> jax.Array:
         """This stage's ring entries [T, H] for context rows main_x at `positions`."""
         cfg = self.cfg
-        kv = apply_rope(self.attn.kv_norm(self.attn.wkv(main_x_TD)), positions_T, self.attn.freqs)
+        kv = apply_rope(self.attn.kv_norm(self.attn.wkv(main_x_TD, ops=ops)), positions_T, self.attn.freqs)
         return quant.fake_quant_kv(kv, cfg.qk_rope_head_dim) if cfg.fake_quant else kv
 
     def draft(self, h_RKCD: jax.Array, ids_RK: jax.Array, ring_RSH: jax.Array, ring_ok_RS: jax.Array,
@@ -97,7 +97,7 @@ class DSparkStage(Block):
         attn = self.attn
         x, post, comb = self._pre(h_RKCD, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         xb = self.attn_norm(x)
-        q, _, kb = attn.project_in(xb, positions_RK)
+        q, _, kb = attn.project_in(xb, positions_RK, ops)
         if cfg.fake_quant:
             kb = quant.fake_quant_kv(kb, cfg.qk_rope_head_dim)
         r, k = ids_RK.shape
@@ -108,7 +108,7 @@ class DSparkStage(Block):
         idx = jnp.broadcast_to(rows[:, None, :], (r, k, s + k)).astype(jnp.int32)  # same list for every query
         o = ops.sparse_attention(q, kv, idx, attn.attn_sink[...], cfg.head_dim ** -0.5)
         o = apply_rope(o, positions_RK, attn.freqs, inverse=True)
-        h_RKCD = hc_post(attn.project_out(o), h_RKCD, post, comb)
+        h_RKCD = hc_post(attn.project_out(o, ops), h_RKCD, post, comb)
         return self._ffn_round_trip(h_RKCD, ids_RK, ops)
 
 
@@ -129,12 +129,12 @@ class DSparkHead(nnx.Module):
     def block_size(self) -> int:
         return self.cfg.dspark_block_size
 
-    def ring_entries(self, taps_TXD: jax.Array, positions_T: jax.Array) -> jax.Array:
+    def ring_entries(self, taps_TXD: jax.Array, positions_T: jax.Array, ops: OpSet) -> jax.Array:
         """Every stage's ring entries [stages, T, H] for committed positions with these taps."""
         first = self.mtp[0]
         t = taps_TXD.shape[0]
-        main_x = first.main_norm(first.main_proj(taps_TXD.reshape(t, -1)))
-        return jnp.stack([stage.context_kv(main_x, positions_T) for stage in self.mtp])
+        main_x = first.main_norm(first.main_proj(taps_TXD.reshape(t, -1), ops=ops))
+        return jnp.stack([stage.context_kv(main_x, positions_T, ops) for stage in self.mtp])
 
     def base_logits(self, anchor_R: jax.Array, anchor_pos_R: jax.Array, rings_ZRSH: jax.Array,
                     ring_pos_RS: jax.Array, embed_VD: jax.Array, head_VD: jax.Array | quant.Fp8Rows,

@@ -16,7 +16,9 @@ from flax import nnx
 
 from dsv4 import quant
 from dsv4.config import WeightFormat
+from dsv4.ops.fp8_linear.reference import fp8_linear as fp8_linear_ref
 from dsv4.ops.moe_experts.stack import ExpertStack
+from dsv4.ops.registry import OpSet
 
 
 def _init(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
@@ -24,12 +26,20 @@ def _init(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
 
 
 class Linear(nnx.Module):
-    """y = x @ W^T with W [out, in], dense or FP8 block-quantized."""
+    """y = x @ W^T with W [out, in], dense or FP8 block-quantized.
+
+    `act_quant`: x passes through REF's activation quantisation first (`quant.fake_act_quant`,
+    spec 6.2), as before every GEMM whose checkpoint weight is FP8. It is a property of the
+    model (`ModelConfig.fake_quant`), not of how the weight is held: a checkpoint loaded
+    dequantised computes the same. An FP8 weight with `act_quant` is REF's FP8 GEMM, which the
+    op set's `fp8_linear` runs (an FFI kernel under `Backend.FFI`).
+    """
 
     def __init__(self, in_features: int, out_features: int, *, fmt: WeightFormat, param_dtype: jnp.dtype,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, act_quant: bool = False):
         self.in_features, self.out_features = in_features, out_features
         self.fmt = fmt
+        self.act_quant = act_quant
         w = _init(rngs, (out_features, in_features), in_features ** -0.5)
         if fmt is WeightFormat.FP8:
             self.weight = nnx.Param(w.astype(jnp.float8_e4m3fn))
@@ -46,10 +56,17 @@ class Linear(nnx.Module):
             return quant.dequant_fp8_block(self.weight[...], self.scale[...], dtype)
         return self.weight[...].astype(dtype)
 
-    def __call__(self, x: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
-        """Matmul in x's dtype with f32 accumulation; result in `out_dtype` (default x.dtype)."""
+    def __call__(self, x: jax.Array, out_dtype: jnp.dtype | None = None, ops: OpSet | None = None) -> jax.Array:
+        """Matmul in x's dtype with f32 accumulation; result in `out_dtype` (default x.dtype).
+        `ops`: whose `fp8_linear` runs an FP8 weight with `act_quant` (None: the reference)."""
+        out_dtype = out_dtype or x.dtype
+        if self.act_quant and self.fmt is WeightFormat.FP8:
+            fp8_linear = ops.fp8_linear if ops is not None else fp8_linear_ref
+            return fp8_linear(x, self.weight[...], self.scale[...], out_dtype)
+        if self.act_quant:
+            x = quant.fake_act_quant(x)
         y = jnp.einsum("...i,oi->...o", x, self.dense(x.dtype), preferred_element_type=jnp.float32)
-        return y.astype(out_dtype or x.dtype)
+        return y.astype(out_dtype)
 
 
 class ExpertWeights(nnx.Module):

@@ -48,15 +48,15 @@ class SharedExpert(nnx.Module):
     """The always-on expert: the same clamped SwiGLU as the routed ones, weight 1."""
 
     def __init__(self, cfg: ModelConfig, *, param_dtype: jnp.dtype, rngs: nnx.Rngs):
-        d, f, fmt = cfg.hidden_size, cfg.moe_intermediate_size, cfg.weight_format
+        d, f, fmt, aq = cfg.hidden_size, cfg.moe_intermediate_size, cfg.weight_format, cfg.fake_quant
         self.limit = cfg.swiglu_limit
-        self.w1 = Linear(d, f, fmt=fmt, param_dtype=param_dtype, rngs=rngs)
-        self.w3 = Linear(d, f, fmt=fmt, param_dtype=param_dtype, rngs=rngs)
-        self.w2 = Linear(f, d, fmt=fmt, param_dtype=param_dtype, rngs=rngs)
+        self.w1 = Linear(d, f, fmt=fmt, param_dtype=param_dtype, rngs=rngs, act_quant=aq)
+        self.w3 = Linear(d, f, fmt=fmt, param_dtype=param_dtype, rngs=rngs, act_quant=aq)
+        self.w2 = Linear(f, d, fmt=fmt, param_dtype=param_dtype, rngs=rngs, act_quant=aq)
 
-    def __call__(self, x_TD: jax.Array) -> jax.Array:
-        a = swiglu(self.w1(x_TD, jnp.float32), self.w3(x_TD, jnp.float32), self.limit)
-        return self.w2(a.astype(x_TD.dtype), jnp.float32)
+    def __call__(self, x_TD: jax.Array, ops: OpSet) -> jax.Array:
+        a = swiglu(self.w1(x_TD, jnp.float32, ops), self.w3(x_TD, jnp.float32, ops), self.limit)
+        return self.w2(a.astype(x_TD.dtype), jnp.float32, ops)
 
 
 class Experts(nnx.Module):
@@ -81,6 +81,7 @@ class MoE(nnx.Module):
         x = x_BTD.reshape(b * t, d)
         sel, w = self.gate(x, ids_BT.reshape(-1))
         ex = self.experts
-        routed = ops.moe_experts(x, sel, w, ex.w1.stack(), ex.w3.stack(), ex.w2.stack(), self.cfg.swiglu_limit)
-        y = routed + self.shared_experts(x)
+        routed = ops.moe_experts(x, sel, w, ex.w1.stack(), ex.w3.stack(), ex.w2.stack(), self.cfg.swiglu_limit,
+                                 self.cfg.fake_quant)
+        y = routed + self.shared_experts(x, ops)
         return y.astype(x.dtype).reshape(b, t, d)

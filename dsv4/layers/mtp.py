@@ -46,8 +46,9 @@ class MTPLayer(Block):
     def __init__(self, cfg: ModelConfig, *, param_dtype: jnp.dtype, rngs: nnx.Rngs):
         super().__init__(stage_config(cfg), 0, param_dtype=param_dtype, rngs=rngs)
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.e_proj = Linear(d, d, fmt=cfg.weight_format, param_dtype=param_dtype, rngs=rngs)
-        self.h_proj = Linear(d, d, fmt=cfg.weight_format, param_dtype=param_dtype, rngs=rngs)
+        aq = cfg.fake_quant  # REF's act_quant before each FP8 GEMM
+        self.e_proj = Linear(d, d, fmt=cfg.weight_format, param_dtype=param_dtype, rngs=rngs, act_quant=aq)
+        self.h_proj = Linear(d, d, fmt=cfg.weight_format, param_dtype=param_dtype, rngs=rngs, act_quant=aq)
         self.enorm = RMSNorm(d, eps, param_dtype)
         self.hnorm = RMSNorm(d, eps, param_dtype)
         self.norm = RMSNorm(d, eps, param_dtype)
@@ -55,14 +56,14 @@ class MTPLayer(Block):
 
     def inputs(self, h_BTCD: jax.Array, next_ids_BT: jax.Array, embed_VD: jax.Array, ops: OpSet) -> jax.Array:
         """x [B, T, C, D]: the embedding of the next token and the previous state, projected."""
-        e = self.e_proj(self.enorm(ops.embedding(embed_VD, next_ids_BT)))
-        return e[:, :, None, :] + self.h_proj(self.hnorm(h_BTCD))
+        e = self.e_proj(self.enorm(ops.embedding(embed_VD, next_ids_BT)), ops=ops)
+        return e[:, :, None, :] + self.h_proj(self.hnorm(h_BTCD), ops=ops)
 
-    def rows(self, x_BTCD: jax.Array, positions_BT: jax.Array):
+    def rows(self, x_BTCD: jax.Array, positions_BT: jax.Array, ops: OpSet):
         """(q, kv rows, mHC post, mHC comb) of the block's attention for inputs x."""
         cfg = self.cfg
         x, post, comb = self._pre(x_BTCD, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        q, _, kv = self.attn.project_in(self.attn_norm(x), positions_BT)
+        q, _, kv = self.attn.project_in(self.attn_norm(x), positions_BT, ops)
         if cfg.fake_quant:
             kv = quant.fake_quant_kv(kv, cfg.qk_rope_head_dim)
         return q, kv, post, comb
@@ -113,7 +114,7 @@ class MTPHead(nnx.Module):
         C-stream states there, next_ids the tokens that follow them."""
         layer = self.layer
         x = layer.inputs(taps_TCD[None], next_ids_T[None], embed_VD, ops)
-        return layer.rows(x, positions_T[None])[1]
+        return layer.rows(x, positions_T[None], ops)[1]
 
     def draft_logits(self, h_RCD: jax.Array, token_R: jax.Array, pos_R: jax.Array, ring_RSH: jax.Array,
                      ring_ok_RS: jax.Array, own_RJH: jax.Array, embed_VD: jax.Array, head_VD: jax.Array,
@@ -124,7 +125,7 @@ class MTPHead(nnx.Module):
         layer = self.layer
         cfg = self.cfg
         x = layer.inputs(h_RCD[:, None], token_R[:, None], embed_VD, ops)  # [R, 1, C, D]
-        q, kv, post, comb = layer.rows(x, pos_R[:, None])
+        q, kv, post, comb = layer.rows(x, pos_R[:, None], ops)
         r, s = ring_ok_RS.shape
         j = own_RJH.shape[1]
         keys = jnp.concatenate([ring_RSH.astype(kv.dtype), own_RJH.astype(kv.dtype), kv], axis=1)  # [R, S+J+1, H]
@@ -133,7 +134,7 @@ class MTPHead(nnx.Module):
         o = ops.sparse_attention(q, keys, idx[:, None, :].astype(jnp.int32), layer.attn.attn_sink[...],
                                  cfg.head_dim ** -0.5)
         o = apply_rope(o, pos_R[:, None], layer.attn.freqs, inverse=True)
-        out = hc_post(layer.attn.project_out(o), x, post, comb)
+        out = hc_post(layer.attn.project_out(o, ops), x, post, comb)
         out = layer._ffn_round_trip(out, token_R[:, None], ops)
         return layer.exit_logits(out, head_VD)[:, 0], out[:, 0], kv[:, 0]
 

@@ -9,6 +9,7 @@ from typing import Callable
 
 import jax
 
+from dsv4.ops.fp8_linear import reference as fp8_linear_ref
 from dsv4.ops.indexer_topk import reference as indexer_ref
 from dsv4.ops.kv_write import reference as kv_write_ref
 from dsv4.ops.moe_experts import reference as moe_ref
@@ -36,8 +37,10 @@ class OpSet:
     sparse_attention_paged: Callable  # decode-step form over stored tables
     indexer_topk: Callable
     indexer_topk_paged: Callable
-    moe_experts: Callable  # (x [T, D], sel [T, K], w [T, K], w1, w3, w2: ExpertStack, limit) -> f32 [T, D]
+    moe_experts: Callable  # (x [T, D], sel [T, K], w [T, K], w1, w3, w2: ExpertStack, limit, act_quant) -> f32 [T, D]
     table_write: Callable = kv_write_ref.table_write  # (EntryTable, rows [n], values [n, W]) -> EntryTable
+    # REF's FP8 linear: (x [..., K], weight e4m3 [N, K], scale E8M0 [N/128, K/128], out_dtype) -> [..., N]
+    fp8_linear: Callable = fp8_linear_ref.fp8_linear
     embedding: Callable = embedding_rows  # (table [V, D], ids) -> [*ids.shape, D]
     # The attention, indexer and write ops are custom calls that XLA's partitioner cannot split:
     # on a mesh `Placement.shard_ops` runs them in shard_map (heads per device, the rest replicated).
