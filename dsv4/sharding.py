@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dsv4.ops.fp8_linear import reference as fp8_linear_ref
 from dsv4.ops.registry import OpSet
 from dsv4.state import PAGE_MAJOR_FIELDS, DecodeState
 
@@ -247,7 +248,8 @@ class Placement:
         the experts / vocabulary (those weights then stay replicated). Custom-call ops (FFI)
         run in shard_map too: attention on each device's own heads, the indexer and the
         table writes replicated (the indexer's top-k needs the sum over all its heads, and
-        MQA tables are replicated over `tensor` anyway)."""
+        MQA tables are replicated over `tensor` anyway). The FP8 linears stay XLA dots, which
+        the partitioner splits like the weights (no shard-local kernel form yet)."""
         ops = dataclasses.replace(ops, moe_experts=self._local_moe(ops.moe_experts),
                                   embedding=self._local_embedding(ops.embedding))
         if not ops.custom_calls:
@@ -256,7 +258,8 @@ class Placement:
             ops, sparse_attention=self._local_heads(ops.sparse_attention, head_dim=2),
             sparse_attention_paged=self._local_heads(ops.sparse_attention_paged, head_dim=1),
             indexer_topk=self._replicated(ops.indexer_topk),
-            indexer_topk_paged=self._replicated(ops.indexer_topk_paged), table_write=self._replicated(ops.table_write))
+            indexer_topk_paged=self._replicated(ops.indexer_topk_paged), table_write=self._replicated(ops.table_write),
+            fp8_linear=fp8_linear_ref.fp8_linear)
 
     def _axis(self, logical: str) -> str | None:
         axis = self.rules.get(logical)

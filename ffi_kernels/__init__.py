@@ -28,6 +28,7 @@ TARGETS = {
     "dsv4_sparse_attention": "Dsv4SparseAttention",
     "dsv4_indexer_topk": "Dsv4IndexerTopk",
     "dsv4_kv_write": "Dsv4KvWrite",
+    "dsv4_fp8_linear": "Dsv4Fp8Linear",
 }
 
 LIBRARIES = {"cpu": "libdsv4_ffi_cpu.so", "cuda": "libdsv4_ffi_cuda.so"}
@@ -65,6 +66,8 @@ def _find_library(file_name: str) -> Path | None:
 
 # platform -> its loaded library (ctypes), for the host-side queries below.
 _LOADED: dict[str, ctypes.CDLL] = {}
+# platform -> the targets its library serves (a kernel may exist on one platform before another).
+_SERVED: dict[str, frozenset[str]] = {}
 
 
 def _register(platform: str) -> Path | None:
@@ -72,9 +75,14 @@ def _register(platform: str) -> Path | None:
     if path is None:
         return None
     lib = _LOADED[platform] = ctypes.cdll.LoadLibrary(str(path))
+    served = set()
     for target, symbol in TARGETS.items():
-        handler = getattr(lib, symbol + _SUFFIX[platform])
+        handler = getattr(lib, symbol + _SUFFIX[platform], None)
+        if handler is None:
+            continue
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform=_XLA_PLATFORM[platform])
+        served.add(target)
+    _SERVED[platform] = frozenset(served)
     return path
 
 
@@ -115,6 +123,11 @@ def decoded_tables_served(platform: str) -> bool:
     query = _LOADED[platform].Dsv4DecodedTablesServed
     query.restype, query.argtypes = ctypes.c_int64, []
     return bool(query())
+
+
+def serves(platform: str, target: str) -> bool:
+    """Whether the library registered for `platform` has a kernel for `target`."""
+    return target in _SERVED.get(platform, ())
 
 
 def platform_of(jax_backend: str) -> str:

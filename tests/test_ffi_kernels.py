@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import ffi_kernels
+from dsv4 import quant
 from dsv4.ops.indexer_topk import ffi as indexer_ffi, reference as indexer_ref
 from dsv4.ops.kv_write import ffi as kv_write_ffi, reference as kv_write_ref
 from dsv4.ops.registry import Backend, ops_for
@@ -632,6 +633,51 @@ def test_whole_sequence_indexer_topk_matches_the_reference():
     assert indexer_ffi.indexer_topk(q, k[:, :0], w, limit * 0, 4).shape == (b, t, 0)
 
 
+# ---------------------------------------------------------------- fp8_linear
+
+
+def _fp8_weight(rng, n, k):
+    """An FP8 weight [N, K] with its 128 x 128 E8M0 scales spread over many octaves."""
+    w = rng.normal(size=(n, k)) * np.exp(rng.uniform(-3, 3, size=(n, 1)))
+    return quant.quant_fp8_block(jnp.asarray(w, jnp.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("lead, k, n", [((1,), 64, 48), ((5,), 256, 130), ((2, 3), 200, 256), ((17,), 384, 7)])
+def test_fp8_linear_matches_the_reference(dtype, lead, k, n):
+    # K and N on and off the 128 blocks; activations whose 128-blocks differ by many octaves
+    # (each its own act_quant scale), and one all-zero block (the floored scale).
+    from dsv4.ops.fp8_linear import ffi as fp8_ffi, reference as fp8_ref
+
+    rng = np.random.default_rng(k + n)
+    w, ws = _fp8_weight(rng, n, k)
+    x = rng.normal(size=lead + (k,)) * np.exp(rng.uniform(-4, 4, size=lead + (k,)))
+    x[..., :min(k, 128)] *= 0.0 if k > 128 else 1.0
+    x = jnp.asarray(x, dtype)
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+        want = jax.jit(fp8_ref.fp8_linear, static_argnums=3)(x, w, ws, out_dtype)
+        got = jax.jit(fp8_ffi.fp8_linear, static_argnums=3)(x, w, ws, out_dtype)
+        assert got.dtype == want.dtype == out_dtype and got.shape == want.shape == lead + (n,)
+        # Sums in another order: within the tolerance of the largest output (outputs that
+        # cancel to near zero keep the absolute error of the terms they sum).
+        tol = 1e-5 if out_dtype == jnp.float32 else 1e-2
+        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=tol,
+                                   atol=tol * float(jnp.max(jnp.abs(want.astype(jnp.float32)))))
+
+
+def test_fp8_linear_quantises_its_input_and_refuses_bad_shapes():
+    from dsv4.ops.fp8_linear import ffi as fp8_ffi
+
+    rng = np.random.default_rng(3)
+    w, ws = _fp8_weight(rng, 16, 128)
+    x = jnp.asarray(rng.normal(size=(4, 128)), jnp.float32)
+    got = jax.jit(fp8_ffi.fp8_linear, static_argnums=3)(x, w, ws, jnp.float32)
+    exact = x @ quant.dequant_fp8_block(w, ws, jnp.float32).T  # no activation quantisation
+    assert not np.allclose(np.asarray(got), np.asarray(exact), rtol=1e-5, atol=0)
+    with pytest.raises(Exception, match="weight must be"):
+        jax.jit(fp8_ffi.fp8_linear, static_argnums=3)(x[:, :64], w, ws, jnp.float32).block_until_ready()
+
+
 # ---------------------------------------------------------------- the whole model
 
 
@@ -682,8 +728,11 @@ def test_the_model_with_backend_ffi_gives_the_reference_logits(tiny_pair):
         got, got_state = _step_logits(tiny_pair["ffi"], kv, idx, seqs)
         for a, b in zip(got, want):
             assert_close_up_to_quant_flips(a, b)
-        # The first layer's stored window is written from identical inputs: bit-equal.
-        _assert_same_table(got_state[0].window, want_state[0].window)
+        # The first layer's stored window holds the same entries (its writes are bit-exact at the
+        # op level; here wkv's FP8 GEMM sums in the kernel's order, and a FP8-stored entry may
+        # then round across a grid step).
+        rows = np.arange(got_state[0].window.rows)
+        assert_close_up_to_quant_flips(got_state[0].window.gather(rows), want_state[0].window.gather(rows))
 
 
 def test_generate_with_backend_ffi_gives_the_reference_tokens(tiny_pair):

@@ -61,6 +61,7 @@ _REGISTRY: dict[Backend, OpSet] = {
 @functools.cache
 def _ffi_ops() -> OpSet:
     # Imported on first use: importing ffi_kernels loads the built libraries and registers them.
+    from dsv4.ops.fp8_linear import ffi as fp8_linear_ffi
     from dsv4.ops.indexer_topk import ffi as indexer_ffi
     from dsv4.ops.kv_write import ffi as kv_write_ffi
     from dsv4.ops.sparse_attention import ffi as attn_ffi
@@ -72,6 +73,7 @@ def _ffi_ops() -> OpSet:
         indexer_topk_paged=indexer_ffi.indexer_topk_paged,
         moe_experts=moe_ref.moe_experts,
         table_write=kv_write_ffi.table_write,
+        fp8_linear=fp8_linear_ffi.fp8_linear,
         custom_calls=True,
     )
 

@@ -5,6 +5,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "act_quant.h"
 #include "ffi_args.h"
 #include "kv_write.h"
 
@@ -145,6 +146,37 @@ inline ffi::Error ParseKvWrite(const ffi::AnyBuffer (&table)[3], const ffi::Buff
     return Invalid("scales must hold one byte per block of the quantised columns");
   }
   a->quant_width = a->grid == Grid::kNone ? 0 : quant_width;
+  return ffi::Error::Success();
+}
+
+struct Fp8LinearArgs {
+  Elem x_type, y_type;
+  int64_t t, k, n;   // rows of x (its leading dims together), reduced dim, output features
+  int64_t k_blocks;  // ceil(K / 128): act_quant blocks of a row, weight scale columns
+};
+
+inline ffi::Error ParseFp8Linear(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, const ffi::Buffer<ffi::U8>& w_scale,
+                                 ffi::DataType y_type, ffi::Span<const int64_t> y_dims, Fp8LinearArgs* a) {
+  const auto x_type = FloatElem(x);
+  if (!x_type || x.dimensions().size() == 0) return Invalid("x must be f32 or bf16 [..., K]");
+  const auto y_elem = ElemOf(y_type);
+  if (!y_elem || (*y_elem != Elem::kF32 && *y_elem != Elem::kBf16)) return Invalid("y must be f32 or bf16");
+  if (auto e = CheckRank(w, 2, "weight"); e.failure()) return e;
+  if (w.element_type() != ffi::DataType::F8E4M3FN) return Invalid("weight must be float8_e4m3fn");
+  const auto x_dims = x.dimensions();
+  a->x_type = *x_type, a->y_type = *y_elem;
+  a->k = x_dims.back(), a->n = Dim(w, 0);
+  a->t = 1;
+  for (size_t i = 0; i + 1 < x_dims.size(); ++i) a->t *= x_dims[i];
+  if (Dim(w, 1) != a->k) return Invalid("weight must be [N, K] with x's K");
+  a->k_blocks = (a->k + kActBlock - 1) / kActBlock;
+  const auto s_dims = w_scale.dimensions();
+  if (s_dims.size() != 2 || s_dims[0] != (a->n + kWeightBlock - 1) / kWeightBlock || s_dims[1] != a->k_blocks) {
+    return Invalid("weight scales must be [ceil(N/128), ceil(K/128)]");
+  }
+  bool same = y_dims.size() == x_dims.size() && y_dims.back() == a->n;
+  for (size_t i = 0; same && i + 1 < x_dims.size(); ++i) same = y_dims[i] == x_dims[i];
+  if (!same) return Invalid("y must be [..., N] with x's leading dims");
   return ffi::Error::Success();
 }
 
