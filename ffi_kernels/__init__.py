@@ -29,6 +29,7 @@ TARGETS = {
     "dsv4_indexer_topk": "Dsv4IndexerTopk",
     "dsv4_kv_write": "Dsv4KvWrite",
     "dsv4_fp8_linear": "Dsv4Fp8Linear",
+    "dsv4_moe_experts": "Dsv4MoeExperts",
 }
 
 LIBRARIES = {"cpu": "libdsv4_ffi_cpu.so", "cuda": "libdsv4_ffi_cuda.so"}

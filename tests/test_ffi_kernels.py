@@ -678,6 +678,69 @@ def test_fp8_linear_quantises_its_input_and_refuses_bad_shapes():
         jax.jit(fp8_ffi.fp8_linear, static_argnums=3)(x[:, :64], w, ws, jnp.float32).block_until_ready()
 
 
+# ---------------------------------------------------------------- moe_experts
+
+
+def _expert_stack(rng, fmt, e, out, inner, scale=0.2):
+    from dsv4.config import WeightFormat
+    from dsv4.ops.moe_experts import ExpertStack
+
+    m = jnp.asarray(rng.normal(size=(e, out, inner)) * scale * np.exp(rng.uniform(-1, 1, (e, out, 1))), jnp.float32)
+    return ExpertStack(*(quant.quant_fp4(m) if fmt is WeightFormat.FP4 else quant.quant_fp8_block(m)), fmt)
+
+
+MOE_ROUTINGS = {
+    "random": lambda rng, t, e, k: np.stack([rng.choice(e, k, replace=False) for _ in range(t)]),
+    "hot": lambda rng, t, e, k: np.concatenate([np.zeros((t, 1), int), rng.integers(1, e, (t, k - 1))], axis=1),
+    # -1 padding, ids past E (another device's experts), and a token's slots repeating one
+    # expert: each slot counts on its own, as on every reference path.
+    "edges": lambda rng, t, e, k: np.where(rng.random((t, k)) < 0.3, rng.choice([-1, e, e + 3], (t, k)),
+                                           np.repeat(rng.integers(0, e, (t, 1)), k, axis=1)),
+}
+
+
+@pytest.mark.parametrize("routing", sorted(MOE_ROUTINGS))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("fmt_name", ["FP4", "FP8"])
+@pytest.mark.parametrize("t", [1, 13])
+def test_moe_experts_matches_the_reference(routing, dtype, fmt_name, t):
+    # Shapes off the 128 blocks (D 192 = 1.5 blocks, F 160); a SwiGLU limit the random gates
+    # and ups cross on both sides; experts that get no token, or every token ("hot").
+    from dsv4.config import WeightFormat
+    from dsv4.ops.moe_experts import ffi as moe_ffi, moe_experts_loop
+
+    fmt = WeightFormat[fmt_name]
+    rng = np.random.default_rng([t, len(routing), len(fmt_name)])
+    e, k, d, f, limit = 6, 3, 192, 160, 1.5
+    w1, w3, w2 = (_expert_stack(rng, fmt, e, *shape) for shape in ((f, d), (f, d), (d, f)))
+    x = jnp.asarray(rng.normal(size=(t, d)) * np.exp(rng.uniform(-2, 2, (t, 1))), dtype)
+    sel = jnp.asarray(MOE_ROUTINGS[routing](rng, t, e, k), jnp.int32)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
+    run = {name: jax.jit(op, static_argnames=("limit", "act_quant")) for name, op in
+           (("ffi", moe_ffi.moe_experts), ("loop", moe_experts_loop))}
+    want = run["loop"](x, sel, w, w1, w3, w2, limit=limit, act_quant=True)
+    got = run["ffi"](x, sel, w, w1, w3, w2, limit=limit, act_quant=True)
+    assert got.dtype == want.dtype == jnp.float32 and got.shape == want.shape == (t, d)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol * float(jnp.max(jnp.abs(want))))
+    if routing == "edges":
+        away = ~np.any((np.asarray(sel) >= 0) & (np.asarray(sel) < e), axis=1)
+        assert (np.asarray(got)[away] == 0).all()
+
+
+def test_moe_experts_without_act_quant_or_with_dense_weights_is_the_reference():
+    from dsv4.ops.moe_experts import ExpertStack, ffi as moe_ffi, moe_experts
+
+    rng = np.random.default_rng(2)
+    stacks = [ExpertStack.dense_stack(jnp.asarray(rng.normal(size=s), jnp.float32)) for s in ((4, 8, 16),) * 2]
+    stacks.append(ExpertStack.dense_stack(jnp.asarray(rng.normal(size=(4, 16, 8)), jnp.float32)))
+    x = jnp.asarray(rng.normal(size=(3, 16)), jnp.float32)
+    sel, w = jnp.asarray([[0, 1], [2, 3], [1, 1]], jnp.int32), jnp.ones((3, 2), jnp.float32)
+    for act_quant in (False, True):
+        np.testing.assert_array_equal(np.asarray(moe_ffi.moe_experts(x, sel, w, *stacks, 2.0, act_quant)),
+                                      np.asarray(moe_experts(x, sel, w, *stacks, 2.0, act_quant)))
+
+
 # ---------------------------------------------------------------- the whole model
 
 

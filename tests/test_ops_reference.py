@@ -528,6 +528,18 @@ def test_swiglu_clamps_up_both_sides_gate_from_above_only():
     np.testing.assert_allclose(got[2], -11.0 / (1 + np.exp(11.0)) * 10.0, rtol=1e-5)
 
 
+def test_moe_paths_count_a_repeated_expert_once_per_slot():
+    """A token whose slots name one expert twice gets it twice, each with its own weight."""
+    rng = np.random.default_rng(14)
+    x, w1, w3, w2 = _moe_inputs(rng, 4, 5, 12, 9)
+    sel = np.array([[1, 1, 3], [0, 2, 2], [4, 4, 4], [2, 0, 1]], np.int32)
+    w = rng.uniform(0.2, 1.0, (4, 3)).astype(np.float32)
+    want = _moe_oracle(x, sel, w, w1, w3, w2, 1.5)
+    for fn in (grouped, gathered, loop):
+        np.testing.assert_allclose(_np(fn(*(jnp.asarray(a) for a in (x, sel, w, w1, w3, w2)), limit=1.5)), want,
+                                   **TOL[jnp.float32])
+
+
 def test_moe_saturates_through_both_paths():
     """One token, one expert, g and u far beyond the limit: hand-computed output."""
     limit = 10.0

@@ -20,7 +20,7 @@ class Backend(enum.Enum):
     """Which implementation runs the hot ops."""
 
     REFERENCE = "reference"  # pure JAX / XLA
-    FFI = "ffi"  # the C++/CUDA kernels of ffi_kernels (XLA FFI); MoE experts stay on XLA
+    FFI = "ffi"  # the C++/CUDA kernels of ffi_kernels (XLA FFI) where the platform has them
 
 
 def embedding_rows(table_VD: jax.Array, ids: jax.Array) -> jax.Array:
@@ -64,6 +64,7 @@ def _ffi_ops() -> OpSet:
     from dsv4.ops.fp8_linear import ffi as fp8_linear_ffi
     from dsv4.ops.indexer_topk import ffi as indexer_ffi
     from dsv4.ops.kv_write import ffi as kv_write_ffi
+    from dsv4.ops.moe_experts import ffi as moe_ffi
     from dsv4.ops.sparse_attention import ffi as attn_ffi
 
     return OpSet(
@@ -71,7 +72,7 @@ def _ffi_ops() -> OpSet:
         sparse_attention_paged=attn_ffi.sparse_attention_paged,
         indexer_topk=indexer_ffi.indexer_topk,
         indexer_topk_paged=indexer_ffi.indexer_topk_paged,
-        moe_experts=moe_ref.moe_experts,
+        moe_experts=moe_ffi.moe_experts,
         table_write=kv_write_ffi.table_write,
         fp8_linear=fp8_linear_ffi.fp8_linear,
         custom_calls=True,

@@ -180,4 +180,66 @@ inline ffi::Error ParseFp8Linear(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
   return ffi::Error::Success();
 }
 
+constexpr int64_t kFp4Group = 32;  // quant.FP4_GROUP: columns per FP4 expert scale
+
+// One stored expert stack [E, out, in]: FP4 (packed e2m1 [E, out, in/2], scales [E, out, in/32])
+// or FP8 (e4m3 [E, out, in], scales [E, ceil(out/128), ceil(in/128)]).
+struct ExpertStackView {
+  const uint8_t* weight;
+  const uint8_t* scale;
+  bool fp4;
+  int64_t e, out, in;
+};
+
+inline ffi::Error MakeExpertStack(const ffi::AnyBuffer& w, const ffi::Buffer<ffi::U8>& s, const char* name,
+                                  ExpertStackView* v) {
+  const std::string n(name);
+  if (auto e = CheckRank(w, 3, name); e.failure()) return e;
+  const bool fp4 = w.element_type() == ffi::DataType::S8 || w.element_type() == ffi::DataType::U8;
+  if (!fp4 && w.element_type() != ffi::DataType::F8E4M3FN) {
+    return Invalid(n + " must be float8_e4m3fn or packed e2m1 (int8)");
+  }
+  *v = {static_cast<const uint8_t*>(w.untyped_data()), s.typed_data(), fp4, Dim(w, 0), Dim(w, 1),
+        Dim(w, 2) * (fp4 ? 2 : 1)};
+  const auto sd = s.dimensions();
+  const bool ok = sd.size() == 3 && sd[0] == v->e &&
+                  (fp4 ? sd[1] == v->out && v->in % kFp4Group == 0 && sd[2] == v->in / kFp4Group
+                       : sd[1] == (v->out + kWeightBlock - 1) / kWeightBlock &&
+                             sd[2] == (v->in + kWeightBlock - 1) / kWeightBlock);
+  if (!ok) return Invalid(n + " scales do not match its weight (FP4: [E, out, in/32]; FP8: [E, out/128, in/128])");
+  return ffi::Error::Success();
+}
+
+struct MoeArgs {
+  Elem x_type;
+  int64_t t, d, k, e, f;  // tokens, hidden, assignments a token, local experts, intermediate
+  ExpertStackView w1, w3, w2;
+};
+
+inline ffi::Error ParseMoe(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& sel, const ffi::Buffer<ffi::F32>& w,
+                           const ffi::AnyBuffer* (&&stacks)[3], const ffi::Buffer<ffi::U8>* (&&scales)[3],
+                           ffi::Span<const int64_t> y_dims, MoeArgs* a) {
+  if (auto e = CheckRank(x, 2, "x"); e.failure()) return e;
+  const auto x_type = FloatElem(x);
+  if (!x_type) return Invalid("x must be f32 or bf16");
+  a->x_type = *x_type, a->t = Dim(x, 0), a->d = Dim(x, 1);
+  const auto sel_dims = sel.dimensions();
+  if (sel_dims.size() != 2 || sel_dims[0] != a->t) return Invalid("selected experts must be [T, K]");
+  a->k = sel_dims[1];
+  const auto w_dims = w.dimensions();
+  if (w_dims.size() != 2 || w_dims[0] != a->t || w_dims[1] != a->k) return Invalid("routing weights must be [T, K]");
+  const char* names[3] = {"w1", "w3", "w2"};
+  ExpertStackView* views[3] = {&a->w1, &a->w3, &a->w2};
+  for (int i = 0; i < 3; ++i) {
+    if (auto e = MakeExpertStack(*stacks[i], *scales[i], names[i], views[i]); e.failure()) return e;
+  }
+  a->e = a->w1.e, a->f = a->w1.out;
+  const bool same = a->w3.e == a->e && a->w2.e == a->e && a->w3.out == a->f && a->w3.in == a->d &&
+                    a->w1.in == a->d && a->w2.out == a->d && a->w2.in == a->f && a->w1.fp4 == a->w3.fp4 &&
+                    a->w1.fp4 == a->w2.fp4;
+  if (!same) return Invalid("w1, w3 must be [E, F, D] and w2 [E, D, F], in one format, with x's D");
+  if (y_dims.size() != 2 || y_dims[0] != a->t || y_dims[1] != a->d) return Invalid("y must be [T, D]");
+  return ffi::Error::Success();
+}
+
 }  // namespace dsv4

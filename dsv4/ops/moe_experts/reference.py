@@ -46,18 +46,22 @@ def _gemm_input(x: jax.Array, act_quant: bool) -> jax.Array:
 
 def moe_experts_loop(x_TD: jax.Array, sel_TK: jax.Array, w_TK: jax.Array, w1: ExpertStack, w3: ExpertStack,
                      w2: ExpertStack, limit: float, act_quant: bool = False) -> jax.Array:
-    """Oracle: every expert in id order over the tokens routed to it. Returns f32 [T, D]."""
+    """Oracle: every expert in id order over the tokens routed to it, each of a token's K
+    assignments on its own (a token that lists an expert twice gets it twice, with each
+    weight, as on the other paths). Returns f32 [T, D]."""
     dt = x_TD.dtype
     x_TD = _gemm_input(x_TD, act_quant)
     w1_EFD, w3_EFD, w2_EDF = w1.dense(dt), w3.dense(dt), w2.dense(dt)
     y = jnp.zeros(x_TD.shape, jnp.float32)
     for e in range(w1.num_experts):
-        we_T = jnp.sum(jnp.where(sel_TK == e, w_TK.astype(jnp.float32), 0.0), axis=-1)
         g = jnp.einsum("td,fd->tf", x_TD, w1_EFD[e], preferred_element_type=jnp.float32)
         u = jnp.einsum("td,fd->tf", x_TD, w3_EFD[e], preferred_element_type=jnp.float32)
-        a = _gemm_input((swiglu(g, u, limit) * we_T[:, None]).astype(dt), act_quant)
-        contrib = jnp.einsum("tf,df->td", a, w2_EDF[e], preferred_element_type=jnp.float32)
-        y = y + jnp.where((we_T != 0)[:, None], contrib, 0.0)
+        for slot in range(sel_TK.shape[1]):
+            routed_T = sel_TK[:, slot] == e
+            we_T = jnp.where(routed_T, w_TK[:, slot].astype(jnp.float32), 0.0)
+            a = _gemm_input((swiglu(g, u, limit) * we_T[:, None]).astype(dt), act_quant)
+            contrib = jnp.einsum("tf,df->td", a, w2_EDF[e], preferred_element_type=jnp.float32)
+            y = y + jnp.where(routed_T[:, None], contrib, 0.0)
     return y
 
 
