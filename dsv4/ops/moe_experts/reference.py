@@ -12,8 +12,9 @@ the op on its own E/n experts with ids shifted by its first expert (`dsv4.shardi
 
 Implementations with one signature:
 - `moe_experts_loop`: a deliberately naive loop over experts (the oracle);
-- `moe_experts_grouped`: dequantise every expert, sort the T*K assignments by expert and run
-  `jax.lax.ragged_dot` grouped GEMMs (prefill-sized batches);
+- `moe_experts_grouped`: sort the T*K assignments by expert and run each routed expert's rows
+  through its own dequantised matrices, one expert at a time (prefill-sized batches: memory for
+  one expert's matrices, not the stack's);
 - `moe_experts_gathered`: dequantise only the T*K routed experts' matrices, one per
   assignment, and run batched per-row products (decode-sized batches: reads T*K experts
   instead of E);
@@ -28,9 +29,6 @@ import jax.numpy as jnp
 
 from dsv4 import quant
 from dsv4.ops.moe_experts.stack import ExpertStack
-from dsv4.ops.tiling import map_in_tiles
-
-TOKEN_TILE = 1024  # tokens per grouped GEMM (bounds the ragged_dot intermediate)
 
 
 def swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:
@@ -89,34 +87,51 @@ def moe_experts_gathered(x_TD: jax.Array, sel_TK: jax.Array, w_TK: jax.Array, w1
 
 def moe_experts_grouped(x_TD: jax.Array, sel_TK: jax.Array, w_TK: jax.Array, w1: ExpertStack, w3: ExpertStack,
                         w2: ExpertStack, limit: float, act_quant: bool = False) -> jax.Array:
-    """Sort assignments by expert, two ragged_dot grouped GEMMs, unsort, sum over K. f32 [T, D].
-
-    Runs TOKEN_TILE tokens at a time: XLA may lower ragged_dot to a dense dot of every row
-    against every expert, whose intermediate grows with T * K * E.
-    """
+    """Sort the T*K assignments by expert, then one expert at a time: dequantise its stored
+    matrices (only experts with assignments; one at a time, never the whole stack) and run its
+    rows in windows of `_window_rows` rows; unsort and sum over K. f32 [T, D]."""
     dt = x_TD.dtype
-    dense = (w1.dense(dt), w3.dense(dt), w2.dense(dt))
     x_TD = _gemm_input(x_TD, act_quant)
-    return map_in_tiles(lambda a: _grouped(*a, *dense, limit, act_quant), (x_TD, sel_TK, w_TK), TOKEN_TILE)
-
-
-def _grouped(x_TD: jax.Array, sel_TK: jax.Array, w_TK: jax.Array, w1_EFD: jax.Array, w3_EFD: jax.Array,
-             w2_EDF: jax.Array, limit: float, act_quant: bool) -> jax.Array:
     t, k = sel_TK.shape
-    n_experts = w1_EFD.shape[0]
-    flat_sel = sel_TK.reshape(-1)
-    # Assignments to experts elsewhere sort last, past every group, and are masked out.
-    here = (flat_sel >= 0) & (flat_sel < n_experts)
-    flat_sel = jnp.where(here, flat_sel, n_experts)
-    order = jnp.argsort(flat_sel, stable=True)
-    token_of = order // k
-    x_MD = x_TD[token_of]
-    sizes = jnp.bincount(flat_sel, length=n_experts).astype(jnp.int32)
-    g = jax.lax.ragged_dot(x_MD, jnp.swapaxes(w1_EFD, 1, 2), sizes, preferred_element_type=jnp.float32)
-    u = jax.lax.ragged_dot(x_MD, jnp.swapaxes(w3_EFD, 1, 2), sizes, preferred_element_type=jnp.float32)
-    a = (swiglu(g, u, limit) * w_TK.reshape(-1)[order][:, None].astype(jnp.float32)).astype(x_TD.dtype)
-    a = _gemm_input(a, act_quant)
-    out_MD = jax.lax.ragged_dot(a, jnp.swapaxes(w2_EDF, 1, 2), sizes, preferred_element_type=jnp.float32)
-    out_MD = jnp.where(here[order][:, None], out_MD, 0.0)
-    y = jnp.zeros((t * k, x_TD.shape[1]), jnp.float32).at[order].set(out_MD)
+    n_experts, m = w1.num_experts, sel_TK.size
+    flat = sel_TK.reshape(-1)
+    # Assignments to experts held elsewhere sort last, past every expert's rows, and stay zero.
+    flat = jnp.where((flat >= 0) & (flat < n_experts), flat, n_experts)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=n_experts)
+    starts = jnp.cumsum(sizes) - sizes
+    window = _window_rows(m, n_experts)
+    # Padded by one window so that a window starting at any row stays inside the arrays.
+    x_MD = jnp.pad(x_TD[order // k], ((0, window), (0, 0)))
+    w_M = jnp.pad(w_TK.reshape(-1)[order].astype(jnp.float32), (0, window))
+
+    def expert(y_MD, e):
+        def run(y_MD):
+            m1, m3, m2 = (stack.take(e, dt) for stack in (w1, w3, w2))
+
+            def rows_window(i, y_MD):
+                lo = starts[e] + i * window
+                xs = jax.lax.dynamic_slice_in_dim(x_MD, lo, window)
+                g = jnp.einsum("rd,fd->rf", xs, m1, preferred_element_type=jnp.float32)
+                u = jnp.einsum("rd,fd->rf", xs, m3, preferred_element_type=jnp.float32)
+                ws = jax.lax.dynamic_slice_in_dim(w_M, lo, window)
+                a = _gemm_input((swiglu(g, u, limit) * ws[:, None]).astype(dt), act_quant)
+                out = jnp.einsum("rf,df->rd", a, m2, preferred_element_type=jnp.float32)
+                mine = lo + jnp.arange(window) < starts[e] + sizes[e]  # the window may run into the next expert
+                old = jax.lax.dynamic_slice_in_dim(y_MD, lo, window)
+                return jax.lax.dynamic_update_slice_in_dim(y_MD, old + jnp.where(mine[:, None], out, 0.0), lo, 0)
+
+            return jax.lax.fori_loop(0, (sizes[e] + window - 1) // window, rows_window, y_MD)
+
+        return jax.lax.cond(sizes[e] > 0, run, lambda y: y, y_MD), None
+
+    y_MD, _ = jax.lax.scan(expert, jnp.zeros((m + window, x_TD.shape[1]), jnp.float32), jnp.arange(n_experts))
+    y = jnp.zeros((m, x_TD.shape[1]), jnp.float32).at[order].set(y_MD[:m])
     return jnp.sum(y.reshape(t, k, -1), axis=1)
+
+
+def _window_rows(assignments: int, experts: int) -> int:
+    """Rows an expert's GEMMs take at a time: the mean rows per expert rounded up to a power of
+    two (at least 8), so a balanced batch runs each expert in one window."""
+    mean = -(-assignments // experts)
+    return max(8, 1 << (mean - 1).bit_length())
