@@ -124,6 +124,28 @@ def test_ffi_bench_times_each_op_on_both_backends_against_the_roofline(tmp_path)
     assert attn["flops"] == 4.0 * 2 * 6 * 40 * (16 + 4)
 
 
+def test_moe_bench_times_the_quantised_matmuls_against_both_rooflines(tmp_path):
+    from bench import moe_bench
+    from dsv4.config import TINY
+
+    path = tmp_path / "moe.json"
+    out = moe_bench.main(["--config", "tiny", "--tokens", "1,16", "--linears", "wq_b", "--backends", "ffi,reference",
+                          "--steps", "1", "--warmup", "0", "--inner", "2", "--json", str(path)])
+    assert json.loads(path.read_text()) == out
+    results = out["results"]
+    assert [(r["op"], r["case"]) for r in results] == [
+        ("moe_experts", "T=1"), ("fp8_linear", "wq_b T=1"), ("moe_experts", "T=16"), ("fp8_linear", "wq_b T=16")]
+    d, f, k = TINY.hidden_size, TINY.moe_intermediate_size, TINY.num_experts_per_tok
+    moe = results[0]  # one token: its K experts' FP4 bytes (codes and 1x32 scales) of w1, w3, w2
+    assert moe["weight_bytes"] == k * 3 * (f * d // 2 + f * d // 32) and moe["flops"] == 2 * k * 3 * d * f
+    for r in results:
+        assert r["roofline_ms"] == max(r["bytes_roofline_ms"], r["tensor_roofline_ms"]) > 0
+        for b in ("ffi", "reference"):
+            assert r[b]["ms"] > 0 and r[b]["over_roofline"] == pytest.approx(r[b]["ms"] / r["roofline_ms"])
+    with pytest.raises(SystemExit):
+        moe_bench.main(["--linears", "wq_z"])
+
+
 # A trace's process metadata: pid 1 a GPU track, pid 2 the host.
 _TRACE_PROCESSES = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
                     {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
