@@ -135,6 +135,12 @@ def _group_last(x: jax.Array, block: int) -> jax.Array:
     return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
+def _ungroup(g: jax.Array) -> jax.Array:
+    """Inverse of ``_group_last`` (padding kept): [..., D/b, b] -> [..., D]. The width is spelled
+    out, as -1 cannot be inferred where a leading dim is 0 (a layer with no entries yet)."""
+    return g.reshape(*g.shape[:-2], g.shape[-2] * g.shape[-1])
+
+
 def _quantize_blocks(x: jax.Array, block: int, qmax: float, round_fn) -> tuple[jax.Array, jax.Array]:
     """Blockwise quantisation of the last axis shared by every activation-side quantiser.
 
@@ -156,7 +162,7 @@ def _dequantize_blocks(vals: jax.Array, scale: jax.Array, d: int, out_dtype: DTy
     only rounding is the final cast to out_dtype.
     """
     out = vals.astype(jnp.float32) * scale
-    return out.reshape(*vals.shape[:-2], -1)[..., :d].astype(out_dtype)
+    return _ungroup(out)[..., :d].astype(out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
@@ -305,7 +311,7 @@ def quant_fp4(w_f32: ArrayLike) -> tuple[jax.Array, jax.Array]:
     if w.ndim < 1 or w.shape[-1] % 2:
         raise ValueError(f"quant_fp4 needs an even last dim to pack nibbles, got shape {w.shape}")
     vals, scale = _quantize_blocks(w, FP4_GROUP, _FP4_MAX, _round_e2m1)
-    vals = vals.reshape(*w.shape[:-1], -1)[..., : w.shape[-1]]
+    vals = _ungroup(vals)[..., : w.shape[-1]]
     return _pack_codes(_fp4_codes(vals)), float_to_e8m0(scale[..., 0])
 
 
@@ -342,7 +348,7 @@ def act_quant(x: ArrayLike) -> tuple[jax.Array, jax.Array]:
     """
     x = jnp.asarray(x)
     vals, scale = _quantize_blocks(x, ACT_BLOCK, _FP8_MAX, _round_e4m3)
-    vals = vals.reshape(*x.shape[:-1], -1)[..., : x.shape[-1]]
+    vals = _ungroup(vals)[..., : x.shape[-1]]
     return vals.astype(jnp.float8_e4m3fn), scale[..., 0]
 
 
@@ -461,7 +467,7 @@ def encode_kv_fp8(kv: ArrayLike, rope_dim: int) -> tuple[jax.Array, jax.Array, j
     kv = jnp.asarray(kv)
     nope = _kv_nope_width(kv.shape[-1], rope_dim)
     vals, scale = _quantize_blocks(kv[..., :nope], KV_FP8_BLOCK, _FP8_MAX, _round_e4m3)
-    nope_f8 = vals.reshape(*kv.shape[:-1], -1)[..., :nope].astype(jnp.float8_e4m3fn)
+    nope_f8 = _ungroup(vals)[..., :nope].astype(jnp.float8_e4m3fn)
     return nope_f8, float_to_e8m0(scale[..., 0]), kv[..., nope:]
 
 
@@ -498,7 +504,7 @@ def _quantize_indexer(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``fake_quant_indexer`` up to the dequantise: e2m1 grid values f32 [..., J] and scale bytes."""
     _indexer_width(x.shape[-1])
     vals, scale = _quantize_blocks(hadamard_rotate(x), INDEXER_FP4_BLOCK, _FP4_MAX, _round_e2m1)
-    return vals.reshape(*x.shape[:-1], -1), float_to_e8m0(scale[..., 0])
+    return _ungroup(vals), float_to_e8m0(scale[..., 0])
 
 
 def _dequantize_indexer(vals: jax.Array, scale_u8: jax.Array, out_dtype: DTypeLike) -> jax.Array:

@@ -34,17 +34,18 @@ def parts(tmp_path_factory):
 
 
 def spec_runner(model, head, *, slots: int, budget: int, token_sizes, k: int = K, pages_per_slot: int = 1,
-                snapshot_slots: int = 0, requests: int | None = None) -> tuple[StepRunner, SpecRunner]:
+                snapshot_slots: int = 0, requests: int | None = None,
+                backend: str = "reference") -> tuple[StepRunner, SpecRunner]:
     """A float32 StepRunner for MAX_LEN-token requests (buckets with K + 1 outputs per request
-    and taps) and the SpecRunner over it."""
+    and taps) and the SpecRunner over it, both on `backend`'s ops."""
     page = default_page_tokens(model.config)
     per_seq = math.ceil(MAX_LEN / page)
     geometry = StateGeometry(num_slots=slots, num_pages=slots * pages_per_slot * per_seq, page_tokens=page,
                              max_pages_per_seq=per_seq, max_spec_tokens=k, dtype=jnp.float32)
     buckets = make_buckets(budget, requests or slots, max_spec_tokens=k, taps=True, token_sizes=token_sizes)
-    runner = StepRunner(model.graphdef, model.params, model.config, geometry, buckets, ops_for("reference"),
+    runner = StepRunner(model.graphdef, model.params, model.config, geometry, buckets, ops_for(backend),
                         snapshot_slots=snapshot_slots)
-    return runner, SpecRunner(runner, head, ops_for("reference"), k=k)
+    return runner, SpecRunner(runner, head, ops_for(backend), k=k)
 
 
 def engine(parts, **kw):
@@ -78,6 +79,23 @@ def test_greedy_output_is_plain_greedy_and_usage_counts_drafts(parts):
     assert all(u.completion_tokens == 25 and u.draft_tokens > 0 for u in usage)
     assert sum(u.accepted_draft_tokens for u in usage) > 0
     assert all(f.finish_reason is FinishReason.LENGTH for f in finals.values())
+
+
+def test_the_quantised_model_on_the_ffi_kernels_speculates_losslessly(tmp_path):
+    """FP8/FP4 weights with the official activation quantisation on Backend.FFI: the target's
+    and the draft stages' FP8 linears and routed experts run as kernels (fp8_linear,
+    moe_experts), and speculative greedy output is still that model's plain greedy output."""
+    write_tiny_checkpoint(SPEC.replace(fake_quant=True), tmp_path, seed=21, quantized=True, float_dtype="F32")
+    model = dsv4.load_pretrained(tmp_path, dtype="float32", quantized=True, backend="ffi")
+    assert model.config.fake_quant
+    head = load_draft(tmp_path, dtype=jnp.float32, quantized=True)
+    runner, spec = spec_runner(model, head, slots=3, budget=32, token_sizes=[8, 32], backend="ffi")
+    want = model.generate(PROMPTS, 12, max_num_seqs=3, max_num_batched_tokens=32)
+    reqs = [EngineRequest(str(i), tuple(p), SamplingParams(max_tokens=12, ignore_eos=True)) for i, p in
+            enumerate(PROMPTS)]
+    out, finals = run_all(engine((model, runner, spec, tmp_path)), reqs)
+    assert [out[str(i)] for i in range(3)] == want
+    assert all(f.usage.draft_tokens > 0 for f in finals.values())
 
 
 def test_a_stop_token_ends_the_request_there_even_inside_a_verified_block(parts):

@@ -348,6 +348,15 @@ def test_act_quant_blocks_of_128_match_the_numpy_oracle(shape, dtype):
     _same_bits_f32(_np(quant.dequant_act(values, scale, jnp.float32)), want)
 
 
+def test_fake_quantisers_take_arrays_with_no_rows():
+    """A compressed layer's entries of a prompt shorter than its ratio: [B, 0, D]."""
+    empty = jnp.zeros((2, 0, 80), jnp.bfloat16)
+    for out in (quant.fake_quant_kv(empty, 16), quant.fake_act_quant(empty), quant.fake_quant_indexer(empty[..., :64])):
+        assert out.shape[:2] == (2, 0) and out.dtype == jnp.bfloat16
+    values, scale = quant.act_quant(empty)
+    assert values.shape == (2, 0, 80) and scale.shape == (2, 0, 1)
+
+
 @pytest.mark.parametrize("d,rope", [(512, 64), (80, 16), (64, 64), (40, 8)])
 def test_fake_quant_kv_leaves_rope_untouched(d, rope):
     rng = np.random.default_rng(8)
