@@ -94,6 +94,21 @@ def test_every_block_position_sees_every_other_one(head, tables):
     assert np.abs(np.asarray(out2[0, 0]) - np.asarray(out[0, 0])).max() > 1e-4
 
 
+def test_a_shallower_block_drafts_the_full_blocks_first_tokens(head, tables):
+    """depth < block size still runs the whole (bidirectional) block, as the head was trained,
+    and returns its first `depth` rows: the same logits as the full block's prefix."""
+    embed, lm_head = tables
+    rng = np.random.default_rng(8)
+    rings, ring_pos = context(head, 2, 25, rng)
+    anchor, pos = jnp.array([4, 7]), jnp.full((2,), 25)
+    full, full_xh = head.base_logits(anchor, pos, rings, ring_pos, embed, lm_head, OPS)
+    for depth in range(1, head.block_size):
+        base, xh = head.base_logits(anchor, pos, rings, ring_pos, embed, lm_head, OPS, depth)
+        assert base.shape[1] == xh.shape[1] == depth
+        np.testing.assert_array_equal(np.asarray(base), np.asarray(full[:, :depth]))
+        np.testing.assert_array_equal(np.asarray(xh), np.asarray(full_xh[:, :depth]))
+
+
 def test_proposals_follow_the_markov_head_left_to_right(head, tables):
     embed, lm_head = tables
     rng = np.random.default_rng(3)

@@ -141,9 +141,10 @@ class DSparkHead(nnx.Module):
                     ops: OpSet, depth: int | None = None) -> tuple[jax.Array, jax.Array]:
         """(base logits U [R, K, V] f32, exit hidden xh [R, K, D]) of one block per request.
 
-        depth: the block's length K (default: the trained block size); a shorter block drafts
-        fewer tokens for less work (load-aware depth). The drafts differ from the first K of a
-        full block (the block is bidirectional), which verification does not mind.
+        depth: how many of the block's drafts to return (default: all of them; load-aware and
+        capacity-aware verification check fewer). The block always runs at the length the head
+        was trained on, as the reference DSpark does: its rows attend to each other both ways,
+        so a shorter block would draft other tokens than the full block's first `depth`.
 
         head_VD: the target's LM head, dense (an f32 matmul, as the reference), or as
         `quant.Fp8Rows` (`quant.quant_fp8_rows(head)`, made once) for the opt-in row-wise FP8
@@ -155,9 +156,10 @@ class DSparkHead(nnx.Module):
         Slot j is read iff anchor_pos - S < ring_pos[j] <= anchor_pos.
         """
         cfg = self.cfg
-        k = self.block_size if depth is None else depth
-        if not 1 <= k <= self.block_size:
-            raise ValueError(f"depth must lie in [1, {self.block_size}], got {k}")
+        depth = self.block_size if depth is None else depth
+        if not 1 <= depth <= self.block_size:
+            raise ValueError(f"depth must lie in [1, {self.block_size}], got {depth}")
+        k = self.block_size
         r = anchor_R.shape[0]
         ids = jnp.concatenate([anchor_R[:, None].astype(jnp.int32),
                                jnp.full((r, k - 1), cfg.dspark_noise_token_id, jnp.int32)], axis=1)
@@ -170,11 +172,11 @@ class DSparkHead(nnx.Module):
         for z, stage in enumerate(self.mtp):
             h = stage.draft(h, ids, rings_ZRSH[z], ring_ok, positions, ops)
         last = self.mtp[-1]
-        xh = hc_head(h, last.hc_head_fn[...], last.hc_head_scale[...], last.hc_head_base[...],
+        xh = hc_head(h[:, :depth], last.hc_head_fn[...], last.hc_head_scale[...], last.hc_head_base[...],
                      norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
         y = last.norm(xh).astype(jnp.float32)
         if isinstance(head_VD, quant.Fp8Rows):
-            u = quant.fp8_rows_matmul(y.reshape(r * k, -1), head_VD).reshape(r, k, -1)
+            u = quant.fp8_rows_matmul(y.reshape(r * depth, -1), head_VD).reshape(r, depth, -1)
         else:
             u = jnp.einsum("rkd,vd->rkv", y, head_VD.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
         return u, xh
