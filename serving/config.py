@@ -38,6 +38,10 @@ class ServingConfig:
     demo_dir: str = os.path.join(DEFAULT_CACHE, "tiny-demo")  # where the demo checkpoint is written
     dtype: str = "auto"  # float32 | bfloat16 | auto (float32 on CPU, bfloat16 on accelerators)
     backend: str = "reference"  # kernel backend (dsv4.ops.registry.Backend)
+    # Keep FP8/FP4 weights as the checkpoint stores them, dequantised inside the matmuls (on), or
+    # decode them to dtype at load (off: FLASH's 156 GB become ~569 GB in bf16). A converted
+    # directory holds what its conversion chose; off does not apply to a quantized one.
+    quantized: bool = True
     deployment: str | None = None  # tp | tp_ep | dp_tp (dsv4.sharding.Deployment); None: one device
     mesh: tuple[int, ...] = ()  # axis sizes in the deployment's MESH_AXES order
     max_num_seqs: int = 8  # requests decoded concurrently (state slots)
@@ -336,6 +340,7 @@ def load_model(config: ServingConfig):
     import jax
 
     import dsv4
+    from checkpoints.orbax_io import is_converted
     from dsv4 import sharding as sh
     from dsv4.step import enable_compilation_cache
     from serving.demo_model import ensure_demo_checkpoint
@@ -351,8 +356,10 @@ def load_model(config: ServingConfig):
     if config.deployment is not None:
         deployment = sh.Deployment(config.deployment)
         placement = sh.Placement(sh.make_mesh(deployment, config.mesh), deployment)
+    # A converted directory's storage was fixed at conversion: "on" (keep what is stored) accepts it.
+    quantized = None if config.quantized and is_converted(path) else config.quantized
     model = dsv4.load_pretrained(path, dtype=dtype, backend=config.backend, placement=placement,
-                                 draft=draft_to_load(config, path))
+                                 draft=draft_to_load(config, path), quantized=quantized)
     cfg = model.config
     tokenizer = load_tokenizer(path, vocab_size=cfg.vocab_size, bos_token_id=cfg.bos_token_id,
                                eos_token_id=cfg.eos_token_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import pytest
 
 from serving.config import ServingConfig, add_serving_flags, config_from_args
@@ -143,3 +144,34 @@ def test_a_checkpoint_without_a_draft_head_runs_speculation_none_and_says_so(tmp
     assert "has a dspark head, not the mtp head asked for" in caplog.text
     model = dsv4.load_pretrained(tmp_path / "draft", dtype="float32", draft="dspark")
     assert model.draft_head is not None and model.draft_head.block_size == 5
+
+
+def test_an_official_checkpoint_is_served_quantized_unless_asked_otherwise(tmp_path, monkeypatch):
+    """--quantized on (the default) keeps the stored FP8/FP4 weights; off decodes them at load.
+    A converted directory is served as its conversion stored it."""
+    monkeypatch.setattr("serving.tokenizer.load_tokenizer", lambda *a, **k: None)  # the weights are the point
+    import jax
+    import jax.numpy as jnp
+
+    from checkpoints.orbax_io import save_converted
+    from checkpoints.testing import write_tiny_checkpoint
+    from dsv4.config import TINY
+    from serving.config import load_model
+
+    write_tiny_checkpoint(TINY, tmp_path / "ckpt", seed=3, quantized=True)
+
+    def dtypes(model) -> set:
+        return {leaf.dtype for leaf in jax.tree.leaves(model.params)}
+
+    fp8 = jnp.dtype(jnp.float8_e4m3fn)
+
+    served = {}
+    for flags in ([], ["--quantized", "off"]):
+        served[bool(flags)] = load_model(parse(["--model", str(tmp_path / "ckpt"), "--compilation-cache", ""] + flags))[0]
+    assert fp8 in dtypes(served[False]) and fp8 not in dtypes(served[True])
+    ids = [[3, 1, 4, 1, 5]]
+    np.testing.assert_allclose(np.asarray(served[False].logits(ids)), np.asarray(served[True].logits(ids)),
+                               rtol=2e-5, atol=2e-5)
+    save_converted(served[True].module, tmp_path / "dense", quantized=False, dtype_name="float32")
+    model, _ = load_model(ServingConfig(model=str(tmp_path / "dense"), compilation_cache=None))
+    assert fp8 not in dtypes(model)
