@@ -4,7 +4,8 @@
                                   [--fake-quant on|off|auto] [--overwrite]
 
 Loads SRC with `checkpoints.loader.load_checkpoint` (every tensor checked), then writes DST
-with `checkpoints.orbax_io.save_converted`. DST is checked before the (long) load, so a bad
+with `checkpoints.orbax_io.save_converted`, the tokenizer files copied along (the draft head is
+not converted). DST is checked before the (long) load, so a bad
 destination fails at once. Exit codes: 0 converted, 2 bad arguments, source or destination.
 """
 
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{report.summary()} in {t1 - t0:.1f} s", flush=True)
         print(f"writing {dst} (fake_quant {model.cfg.fake_quant})", flush=True)
         manifest = save_converted(model, dst, quantized=args.quantized, dtype_name=args.dtype,
-                                  draft_tensors=report.draft_tensors, overwrite=args.overwrite)
+                                  draft_tensors=report.draft_tensors, overwrite=args.overwrite, source=src)
     except (ValueError, OSError) as e:
         # CheckpointError and ConfigError are ValueErrors; their messages name the problem.
         print(f"error: {_one_line(e)}", file=sys.stderr)

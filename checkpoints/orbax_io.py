@@ -46,8 +46,15 @@ MANIFEST_FILE = "dsv4_checkpoint.json"
 CONFIG_FILE = "config.json"
 INDEX_FILE = "params_index.json"
 PARAMS_DIR = "params"
-# Everything save_converted writes; a directory holding only these may be overwritten.
+# What a model directory holds for its text, copied as they are: the tokenizer, its chat template
+# (DeepSeek-V4 ships its chat format as encoding/), generation defaults, and the embedded demo
+# model's marker (which selects its byte tokenizer).
+TOKENIZER_ENTRIES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                     "chat_template.jinja", "generation_config.json", "encoding", "demo.json")
+# Everything save_converted writes; a directory holding only these may be overwritten. The text
+# files count only beside an entry no other tool writes (a tokenizer-only directory is not ours).
 _OWN_ENTRIES = frozenset({MANIFEST_FILE, CONFIG_FILE, INDEX_FILE, PARAMS_DIR})
+_CONVERSION_MARKS = frozenset({MANIFEST_FILE, INDEX_FILE, PARAMS_DIR})
 
 DTYPES: dict[str, jnp.dtype] = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -74,7 +81,8 @@ def check_destination(dst: str | os.PathLike, *, overwrite: bool = False) -> Non
     if not overwrite:
         raise FileExistsError(f"{dst}: directory is not empty; pass overwrite=True (--overwrite) to replace "
                               f"a converted checkpoint, or choose a new directory")
-    foreign = sorted(entries - _OWN_ENTRIES)
+    own = _OWN_ENTRIES | (frozenset(TOKENIZER_ENTRIES) if entries & _CONVERSION_MARKS else frozenset())
+    foreign = sorted(entries - own)
     if foreign:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
         raise FileExistsError(f"{dst}: refusing to overwrite a directory that is not a converted checkpoint "
@@ -83,13 +91,14 @@ def check_destination(dst: str | os.PathLike, *, overwrite: bool = False) -> Non
 
 def save_converted(model: Transformer, dst: str | os.PathLike, *, quantized: bool, dtype_name: str,
                    draft_tensors: Mapping[str, object] | Iterable[str] | None = None,
-                   overwrite: bool = False) -> dict:
+                   overwrite: bool = False, source: str | os.PathLike | None = None) -> dict:
     """Write `model`'s parameter state and config to `dst`; returns the manifest.
 
     quantized / dtype_name: how `model` was loaded (`load_checkpoint(quantized=, dtype=)`); the
     state must be exactly what `abstract_model(storage_config(cfg, quantized), dtype)` builds,
     so `restore_converted` can rebuild it. draft_tensors: names (or a name-keyed mapping, such
     as `LoadReport.draft_tensors`) of draft-module tensors the source held, recorded by name.
+    source: the model's directory, whose `TOKENIZER_ENTRIES` are copied along (those it has).
     """
     dst = os.fspath(dst)
     if dtype_name not in DTYPES:
@@ -109,10 +118,11 @@ def save_converted(model: Transformer, dst: str | os.PathLike, *, quantized: boo
     primary = jax.process_index() == 0
     if primary and os.path.isdir(dst):
         # Manifest first: an interrupted overwrite must not look complete.
-        for name in (MANIFEST_FILE, CONFIG_FILE, INDEX_FILE):
-            if os.path.exists(os.path.join(dst, name)):
+        for name in (MANIFEST_FILE, CONFIG_FILE, INDEX_FILE, *TOKENIZER_ENTRIES):
+            if os.path.isfile(os.path.join(dst, name)):
                 os.remove(os.path.join(dst, name))
-        shutil.rmtree(os.path.join(dst, PARAMS_DIR), ignore_errors=True)
+        for name in (PARAMS_DIR, *TOKENIZER_ENTRIES):
+            shutil.rmtree(os.path.join(dst, name), ignore_errors=True)
     if primary:
         os.makedirs(dst, exist_ok=True)
     tree = _nested({tuple(p): v.get_value() for p, v in flat})
@@ -124,10 +134,23 @@ def save_converted(model: Transformer, dst: str | os.PathLike, *, quantized: boo
     manifest = {"format": FORMAT, "version": VERSION, "quantized": bool(quantized), "dtype": dtype_name,
                 "fake_quant": bool(cfg.fake_quant), "draft_tensors": names}
     if primary:
+        _copy_tokenizer(source, dst)
         _write_json(os.path.join(dst, CONFIG_FILE), hf_json)
         _write_json(os.path.join(dst, INDEX_FILE), index)
         _write_json(os.path.join(dst, MANIFEST_FILE), manifest)
     return manifest
+
+
+def _copy_tokenizer(source: str | os.PathLike | None, dst: str) -> None:
+    """The source directory's TOKENIZER_ENTRIES (files or directories) into dst, as they are."""
+    if source is None:
+        return
+    for name in TOKENIZER_ENTRIES:
+        src = os.path.join(os.fspath(source), name)
+        if os.path.isdir(src):
+            shutil.copytree(src, os.path.join(dst, name))
+        elif os.path.isfile(src):
+            shutil.copy2(src, os.path.join(dst, name))
 
 
 def read_manifest(src: str | os.PathLike) -> dict:

@@ -28,10 +28,18 @@ SEED = 7
 DRAFT_STAGES = 1
 
 
+# Text files of a model directory, as DeepSeek-V4 ships them (contents only need to survive).
+TOKENIZER_FILES = {"tokenizer.json": '{"model": "stand-in"}', "tokenizer_config.json": '{"bos_token": "<s>"}',
+                   "encoding/encoding_dsv4.py": "# the chat format\n"}
+
+
 @pytest.fixture(scope="module")
 def official(tmp_path_factory):
     path = tmp_path_factory.mktemp("official")
     write_tiny_checkpoint(TINY, path, SEED, quantized=True, float_dtype="F32", draft_stages=DRAFT_STAGES)
+    for name, text in TOKENIZER_FILES.items():
+        (path / name).parent.mkdir(exist_ok=True)
+        (path / name).write_text(text)
     return path
 
 
@@ -93,6 +101,24 @@ def test_restore_is_bit_identical_to_direct_load(official, converted, mode):
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     assert all(v.sharding == default for v in b.values())
     np.testing.assert_array_equal(_logits(restored), _logits(direct))
+
+
+def test_the_tokenizer_files_come_along(converted):
+    for dst, code in converted.values():
+        assert code == 0
+        for name, text in TOKENIZER_FILES.items():
+            assert (dst / name).read_text() == text, name
+
+
+def test_a_converted_demo_model_serves_its_text(tmp_path):
+    from serving.demo_model import ensure_demo_checkpoint
+    from serving.tokenizer import ByteTokenizer, load_tokenizer
+
+    demo = ensure_demo_checkpoint(str(tmp_path / "demo"))
+    assert main([demo, str(tmp_path / "converted"), "--dequantize", "--dtype", "float32"]) == 0
+    tok = load_tokenizer(str(tmp_path / "converted"), vocab_size=TINY.vocab_size, bos_token_id=TINY.bos_token_id,
+                         eos_token_id=TINY.eos_token_id)
+    assert isinstance(tok, ByteTokenizer)
 
 
 def test_difference_check_sees_one_flipped_bit(official, converted):
@@ -183,6 +209,14 @@ def test_overwrite_refused_then_allowed(official, converted, tmp_path, capsys):
     assert main([str(official), str(foreign), "--overwrite"]) == 2
     assert "not a converted checkpoint" in capsys.readouterr().err
     assert (foreign / "notes.txt").read_text() == "keep me"
+    # Nor a tokenizer-only directory (tokenizer files are a conversion's only beside its own files).
+    tokenizer_only = tmp_path / "tokenizer_only"
+    tokenizer_only.mkdir()
+    (tokenizer_only / "tokenizer.json").write_text("{}")
+    assert main([str(official), str(tokenizer_only), "--overwrite"]) == 2
+    assert (tokenizer_only / "tokenizer.json").read_text() == "{}"
+    # The copied files are replaced on overwrite, not duplicated or refused.
+    assert (copy / "encoding" / "encoding_dsv4.py").is_file()
 
 
 def test_bad_source_exits_2_naming_the_problem(official, tmp_path, capsys):
