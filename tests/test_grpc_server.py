@@ -558,6 +558,10 @@ def test_a_failing_step_fails_its_requests_with_internal_and_the_server_keeps_se
     mock.runner.pause_at = mock.runner.calls + 3  # fail mid-stream: after a token has gone out
     call = mock.stub.Generate(ids_request([6], max_tokens=12), timeout=TIMEOUT)
     assert list(next(call).token_ids) == expected((6,), 12)[:1]
+    # The first token can come out before the runner reaches the call that closes the gate:
+    # release it only once it waits there, or the release comes first and the stream hangs.
+    wait_for(lambda: mock.runner.calls == mock.runner.pause_at and not mock.runner.gate.is_set(),
+             what="the runner to pause")
     mock.runner.fail = 1
     mock.runner.gate.set()
     with pytest.raises(grpc.RpcError) as err:
