@@ -96,6 +96,12 @@ def check_platform() -> None:
     ffi_kernels.require(ffi_kernels.platform_of(jax.default_backend()))
 
 
+def kernel_built(target: str) -> bool:
+    """Whether the default backend's FFI library has a kernel for `target` (after check_platform:
+    a kernel may exist on one platform before another)."""
+    return ffi_kernels.serves(ffi_kernels.platform_of(jax.default_backend()), target)
+
+
 def i32(x: int) -> np.int32:
     """An int32 kernel attribute (a Python int would be passed as int64)."""
     return np.int32(x)

@@ -7,8 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-import ffi_kernels
-from dsv4.ops.ffi_tables import check_platform
+from dsv4.ops.ffi_tables import check_platform, kernel_built
 from dsv4.ops.fp8_linear import reference
 
 TARGET = "dsv4_fp8_linear"
@@ -17,7 +16,7 @@ TARGET = "dsv4_fp8_linear"
 def fp8_linear(x: jax.Array, weight_NK: jax.Array, scale: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
     """As `reference.fp8_linear`."""
     check_platform()
-    if not ffi_kernels.serves(ffi_kernels.platform_of(jax.default_backend()), TARGET):
+    if not kernel_built(TARGET):
         return reference.fp8_linear(x, weight_NK, scale, out_dtype)
     out = jax.ShapeDtypeStruct((*x.shape[:-1], weight_NK.shape[0]), jnp.dtype(out_dtype))
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, weight_NK, scale)

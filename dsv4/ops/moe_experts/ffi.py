@@ -12,9 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import ffi_kernels
 from dsv4.config import WeightFormat
-from dsv4.ops.ffi_tables import check_platform
+from dsv4.ops.ffi_tables import check_platform, kernel_built
 from dsv4.ops.moe_experts import reference
 from dsv4.ops.moe_experts.stack import ExpertStack
 
@@ -25,8 +24,7 @@ def moe_experts(x_TD: jax.Array, sel_TK: jax.Array, w_TK: jax.Array, w1: ExpertS
                 w2: ExpertStack, limit: float, act_quant: bool = False) -> jax.Array:
     """As `reference.moe_experts`. f32 [T, D]."""
     check_platform()
-    served = ffi_kernels.serves(ffi_kernels.platform_of(jax.default_backend()), TARGET)
-    if not (act_quant and served and w1.fmt in (WeightFormat.FP4, WeightFormat.FP8)):
+    if not (act_quant and kernel_built(TARGET) and w1.fmt in (WeightFormat.FP4, WeightFormat.FP8)):
         return reference.moe_experts(x_TD, sel_TK, w_TK, w1, w3, w2, limit, act_quant)
     out = jax.ShapeDtypeStruct(x_TD.shape, jnp.float32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
