@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import math
 import os
 import tomllib
 from typing import Any, Callable, Mapping
@@ -44,6 +43,10 @@ class ServingConfig:
     quantized: bool = True
     deployment: str | None = None  # tp | tp_ep | dp_tp (dsv4.sharding.Deployment); None: one device
     mesh: tuple[int, ...] = ()  # axis sizes in the deployment's MESH_AXES order
+    # The same, spelled as vLLM does: N-way tensor parallel (deployment tp, mesh N), with M-way
+    # expert parallel routed experts (tp_ep, mesh N x M). Either these or deployment and mesh.
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
     max_num_seqs: int = 8  # requests decoded concurrently (state slots)
     max_num_batched_tokens: int = 256  # tokens per step
     memory_fraction: float = 0.9  # share of device memory for parameters, state and snapshots (accelerators)
@@ -95,7 +98,12 @@ class ServingConfig:
                        f"{self.num_speculative_tokens}")
         if self.speculation == "none" and (self.capacity_verification or self.draft_fp8_head):
             bad.append("capacity_verification and draft_fp8_head need speculation dspark or mtp")
-        if self.speculation != "none" and self.deployment is not None:
+        if self.tensor_parallel_size < 1 or self.expert_parallel_size < 1:
+            bad.append(f"tensor_parallel_size and expert_parallel_size must be >= 1, got "
+                       f"{self.tensor_parallel_size} and {self.expert_parallel_size}")
+        if self.deployment is not None and (self.tensor_parallel_size > 1 or self.expert_parallel_size > 1):
+            bad.append("give either deployment and mesh or tensor_parallel_size / expert_parallel_size, not both")
+        if self.speculation != "none" and self.parallelism()[0] is not None:
             bad.append("speculation on a device mesh (deployment) is not supported yet")
         if (self.deployment is None) != (not self.mesh):
             bad.append("deployment and mesh go together (e.g. deployment tp with mesh 2)")
@@ -103,6 +111,15 @@ class ServingConfig:
                                                       max(self.bucket_tokens) != self.max_num_batched_tokens):
             bad.append(f"bucket_tokens must be positive and end at max_num_batched_tokens, got {self.bucket_tokens}")
         return bad
+
+    def parallelism(self) -> tuple[str | None, tuple[int, ...]]:
+        """(deployment, mesh sizes) from either spelling; (None, ()) for one device."""
+        if self.deployment is not None:
+            return self.deployment, self.mesh
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        if ep > 1:
+            return "tp_ep", (tp, ep)
+        return ("tp", (tp,)) if tp > 1 else (None, ())
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], source: str = "config") -> ServingConfig:
@@ -194,41 +211,23 @@ def make_engine(model, config: ServingConfig, *, eos_token_ids: tuple[int, ...] 
     speculation dspark or mtp)."""
     from dsv4.memory import device_memory_bytes
     from dsv4.ops.registry import ops_for
-    from dsv4.state import StateGeometry, default_page_tokens
-    from dsv4.step import CompilePolicy, StepRunner, make_buckets
+    from dsv4.step import CompilePolicy, StepRunner
     from serving.engine import Engine, EngineLimits
+    from serving.engine_plan import engine_plan
 
     cfg = model.config
     head = getattr(model, "draft_head", None)
-    k = (config.num_speculative_tokens or head.block_size) if head is not None else 0
-    if head is not None and k > head.block_size:
-        raise ValueError(f"num_speculative_tokens {k} exceeds the draft head's block size {head.block_size}")
-    if config.max_model_len > cfg.max_position_embeddings:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
-                         f"{cfg.max_position_embeddings}")
-    page = default_page_tokens(cfg)
-    per_seq = math.ceil(config.max_model_len / page)
     shards = model.placement.mesh_shape.get("data", 1) if model.placement is not None else 1
-    slots = math.ceil(config.max_num_seqs / shards) * shards
-    caching = config.enable_prefix_caching and shards == 1
-    snapshots = (config.prefix_cache_snapshots or 4 * slots) if caching else 0
     dtype = model.params["embed"]["weight"][...].dtype
-    template = StateGeometry(num_slots=slots, num_pages=slots * per_seq, page_tokens=page,
-                             max_pages_per_seq=per_seq, max_spec_tokens=k, dtype=dtype)
+    planned = engine_plan(cfg, config, draft_block_size=head.block_size if head is not None else None,
+                          data_shards=shards, dtype=dtype)
+    template, buckets, k, snapshots = planned.template, planned.buckets, planned.spec_tokens, planned.snapshots
     device = _first_device(model)
     plan = plan_pages(cfg, config, template, shards=shards, snapshots=snapshots,
                       device_bytes=device_memory_bytes(device), bytes_in_use=_bytes_in_use(device))
     geometry = template if plan is None else dataclasses.replace(template, num_pages=plan.num_pages * shards)
     if plan is not None:
         log.info("%s", plan.summary())
-    # Decode-only steps need at most `slots` x (K + 1) tokens; any step with a prefill chunk
-    # takes the whole budget: few programs to compile, little padding where it matters.
-    decode = slots * (k + 1)
-    sizes = list(config.bucket_tokens) or sorted(
-        {1 << i for i in range(decode.bit_length()) if 1 << i < config.max_num_batched_tokens}
-        | {min(decode, config.max_num_batched_tokens), config.max_num_batched_tokens})
-    buckets = make_buckets(config.max_num_batched_tokens, slots, token_sizes=sizes, max_spec_tokens=k,
-                           taps=head is not None)
     runner = StepRunner(model.graphdef, model.params, cfg, geometry, buckets, ops_for(model.backend),
                         policy=CompilePolicy.WARN, placement=model.placement, max_logprobs=config.max_logprobs,
                         snapshot_slots=snapshots)
@@ -247,7 +246,7 @@ def make_engine(model, config: ServingConfig, *, eos_token_ids: tuple[int, ...] 
                           max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
                           max_req_tokens=config.max_req_tokens, max_waiting=config.max_waiting,
                           max_logprobs=config.max_logprobs)
-    return Engine(runner, limits, data_shards=shards, prefix_cache=caching, speculator=speculator,
+    return Engine(runner, limits, data_shards=shards, prefix_cache=planned.prefix_caching, speculator=speculator,
                   capacity=capacity)
 
 
@@ -353,9 +352,10 @@ def load_model(config: ServingConfig):
     if dtype == "auto":
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     placement = None
-    if config.deployment is not None:
-        deployment = sh.Deployment(config.deployment)
-        placement = sh.Placement(sh.make_mesh(deployment, config.mesh), deployment)
+    deployment_name, mesh = config.parallelism()
+    if deployment_name is not None:
+        deployment = sh.Deployment(deployment_name)
+        placement = sh.Placement(sh.make_mesh(deployment, mesh), deployment)
     # A converted directory's storage was fixed at conversion: "on" (keep what is stored) accepts it.
     quantized = None if config.quantized and is_converted(path) else config.quantized
     model = dsv4.load_pretrained(path, dtype=dtype, backend=config.backend, placement=placement,

@@ -52,6 +52,7 @@ from typing import IO, Any, Iterable, Iterator, Mapping
 
 from dsv4.generation import derive_seed
 from serving.config import DEMO_MODEL, ServingConfig, add_serving_flags, config_from_args, read_config_file
+from serving.engine_plan import add_dry_run_flags, run_dry_run
 from serving.engine import (Engine, EngineRequest, FinishReason, QueueFullError, RequestOutput, SamplingParams,
                             SpeculationStats)
 from serving.text import TextStream, stop_string_problems
@@ -453,7 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stop-token-ids", type=_id_list, default=(), help="comma-separated token ids that end a request")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
     s.add_argument("--logprobs", type=int, default=0, help="top-n logprobs per generated token (0 = none)")
-    add_serving_flags(p.add_argument_group("serving (ServingConfig fields, over --config FILE)"))
+    serving = p.add_argument_group("serving (ServingConfig fields, over --config FILE)")
+    add_serving_flags(serving)
+    add_dry_run_flags(serving)
     return p
 
 
@@ -562,6 +565,8 @@ def serving_config(args: argparse.Namespace) -> ServingConfig:
 
 def _run(args: argparse.Namespace) -> int:
     config = serving_config(args)
+    if args.dry_run:
+        return run_dry_run(config, args.device_memory_gib)
     if args.prompt and args.input:
         raise UsageError("give --input or --prompt, not both")
     if args.output and args.input and args.input != "-" and os.path.exists(args.output) \

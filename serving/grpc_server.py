@@ -50,6 +50,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from serving.config import ServingConfig, add_serving_flags, config_from_args
+from serving.engine_plan import add_dry_run_flags, run_dry_run
 from serving.engine import Engine, EngineRequest, SamplingParams, TokenLogprob, Usage
 from serving.engine_loop import EngineLoop, ErrorKind, StreamEvent
 from serving.metrics import ServingMetrics
@@ -164,10 +165,11 @@ def model_info(config: ServingConfig, model: Any, tokenizer: Tokenizer, engine: 
     dtype = str(model.params["embed"]["weight"][...].dtype)
     placement = getattr(model, "placement", None)
     n_devices = math.prod(placement.mesh_shape.values()) if placement is not None else 1
+    deployment, mesh = config.parallelism()
     summary = (f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x "
                f"{cfg.head_dim}, {cfg.n_routed_experts} routed experts (top-{cfg.num_experts_per_tok}) + "
                f"{cfg.n_shared_experts} shared, vocab {cfg.vocab_size}, {dtype}, backend {config.backend}"
-               + (f", {config.deployment} over mesh {config.mesh}" if config.deployment else ""))
+               + (f", {deployment} over mesh {mesh}" if deployment else ""))
     lim = engine.limits
     return pb.ModelInfo(
         model=config.model, summary=summary, vocab_size=lim.vocab_size, max_model_len=lim.max_model_len,
@@ -395,6 +397,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight requests before aborting them (default: %(default)s)")
     add_serving_flags(p)
+    add_dry_run_flags(p)
     return p.parse_args(argv)
 
 
@@ -451,6 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        return run_dry_run(config, args.device_memory_gib)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("serving").setLevel(logging.INFO)
     return asyncio.run(serve(config, host=args.host, port=args.port, metrics_port=args.metrics_port or None,

@@ -26,6 +26,17 @@ def test_defaults_are_valid_and_flags_override():
     assert c.enable_prefix_caching is False and parse(["--enable-prefix-caching", "true"]).enable_prefix_caching
 
 
+@pytest.mark.parametrize("argv, want", [
+    ([], (None, ())),
+    (["--tensor-parallel-size", "4"], ("tp", (4,))),
+    (["--tensor-parallel-size", "2", "--expert-parallel-size", "2"], ("tp_ep", (2, 2))),
+    (["--expert-parallel-size", "4"], ("tp_ep", (1, 4))),
+    (["--deployment", "dp_tp", "--mesh", "2x4"], ("dp_tp", (2, 4))),
+])
+def test_parallel_sizes_spell_a_deployment_and_mesh(argv, want):
+    assert parse(argv).parallelism() == want
+
+
 @pytest.mark.parametrize("suffix, text", [
     (".toml", 'model = "/m"\nmax_num_seqs = 4\nmax_num_batched_tokens = 64\nmesh = [2]\ndeployment = "tp"\n'),
     (".yaml", "model: /m\nmax_num_seqs: 4\nmax_num_batched_tokens: 64\nmesh: [2]\ndeployment: tp\n"),
@@ -72,6 +83,9 @@ def test_file_errors_name_the_problem(tmp_path):
     (dict(draft_fp8_head=True), "need speculation dspark"),
     (dict(speculation="dspark", deployment="tp", mesh=(2,)), "not supported yet"),
     (dict(deployment="tp"), "deployment and mesh go together"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size and expert_parallel_size must be >= 1"),
+    (dict(deployment="tp", mesh=(2,), tensor_parallel_size=2), "either deployment and mesh or"),
+    (dict(speculation="mtp", expert_parallel_size=2), "not supported yet"),
     (dict(bucket_tokens=(16, 128)), "bucket_tokens must"),
 ])
 def test_bad_values_are_named(kw, message):
