@@ -3,9 +3,10 @@
     python -m checkpoints.convert SRC DST [--dtype bfloat16|float32] [--quantized | --dequantize]
                                   [--fake-quant on|off|auto] [--overwrite]
 
-Loads SRC with `checkpoints.loader.load_checkpoint` (every tensor checked), then writes DST
-with `checkpoints.orbax_io.save_converted`, the tokenizer files copied along (the draft head is
-not converted). DST is checked before the (long) load, so a bad
+Loads SRC with `checkpoints.loader.load_checkpoint` (every tensor checked) and its draft head
+where it has one (`load_draft`: the DSpark stages or the MTP layer), then writes DST with
+`checkpoints.orbax_io.save_converted`, the tokenizer files and chat encoding copied along: DST
+serves like SRC, speculation included. DST is checked before the (long) load, so a bad
 destination fails at once. Exit codes: 0 converted, 2 bad arguments, source or destination.
 """
 
@@ -58,7 +59,7 @@ class _ProgressPrinter:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Imported here so `--help` and argument errors stay instant.
-    from checkpoints.loader import load_checkpoint
+    from checkpoints.loader import CheckpointError, draft_kind, load_checkpoint, load_draft
 
     src, dst = os.fspath(args.src), os.fspath(args.dst)
     mode = "quantized" if args.quantized else "dequantized"
@@ -75,11 +76,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loading {src} ({mode}, dtype {args.dtype}, fake_quant {args.fake_quant})", flush=True)
         model, report = load_checkpoint(src, dtype=DTYPES[args.dtype], quantized=args.quantized,
                                         config_overrides=overrides, progress=_ProgressPrinter(t0))
+        head = None
+        if draft_kind(src) != "none":
+            print(f"loading its {model.cfg.draft_kind} draft head", flush=True)
+            try:
+                head = load_draft(src, dtype=DTYPES[args.dtype], quantized=args.quantized, config_overrides=overrides)
+            except CheckpointError as e:  # the tower is whole: convert it, and say what is left behind
+                print(f"warning: the draft head is not converted (speculation will be off): {_one_line(e)}",
+                      file=sys.stderr, flush=True)
         t1 = time.perf_counter()
         print(f"{report.summary()} in {t1 - t0:.1f} s", flush=True)
         print(f"writing {dst} (fake_quant {model.cfg.fake_quant})", flush=True)
         manifest = save_converted(model, dst, quantized=args.quantized, dtype_name=args.dtype,
-                                  draft_tensors=report.draft_tensors, overwrite=args.overwrite, source=src)
+                                  draft_tensors=report.draft_tensors, overwrite=args.overwrite, source=src,
+                                  draft=head)
     except (ValueError, OSError) as e:
         # CheckpointError and ConfigError are ValueErrors; their messages name the problem.
         print(f"error: {_one_line(e)}", file=sys.stderr)
@@ -87,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     t2 = time.perf_counter()
     print(f"wrote {report.n_tensors} tower tensors ({report.n_bytes / 2**20:.1f} MiB) to {dst} in {t2 - t1:.1f} s",
           flush=True)
-    draft = f", {len(manifest['draft_tensors'])} draft tensors listed (not converted)" if manifest["draft_tensors"] else ""
+    draft = f", its {manifest['draft']} draft head too" if manifest["draft"] != "none" else ""
     print(f"done: {src} -> {dst} ({mode}, {args.dtype}, fake_quant {manifest['fake_quant']}{draft}) "
           f"in {t2 - t0:.1f} s", flush=True)
     return 0

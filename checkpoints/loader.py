@@ -118,8 +118,12 @@ def load_checkpoint(directory: str | os.PathLike, *, dtype: jnp.dtype = jnp.bflo
 def draft_kind(directory: str | os.PathLike) -> str:
     """The draft head a checkpoint holds: "dspark", "mtp" (`ModelConfig.draft_kind`) when its
     config describes one and it has `mtp.*` tensors (`load_draft` then checks them all), else
-    "none"."""
+    "none". A converted directory holds what its manifest says."""
+    from checkpoints.orbax_io import is_converted, read_manifest  # it imports this module
+
     directory = os.fspath(directory)
+    if is_converted(directory):
+        return read_manifest(directory)["draft"]
     cfg = ModelConfig.from_hf_json(directory)
     kind = cfg.draft_kind
     if kind == "none" or (kind == "dspark" and not cfg.dspark_target_layer_ids):

@@ -10,13 +10,17 @@ Directory layout (`dst/`):
                             nested dict keyed by the NNX path (layer indices as strings)
     config.json             `ModelConfig.to_hf_json()` of the stored model
     params_index.json       official name -> {"dtype", "shape"} of every stored parameter
+    draft/, draft_index.json  the same for the draft head (DSpark stages or MTP layer), when
+                            the source has one
     dsv4_checkpoint.json    the manifest: {"format": "dsv4-orbax", "version": 1, "quantized",
-                            "dtype", "fake_quant", "draft_tensors": [names]}
+                            "dtype", "fake_quant", "draft": "dspark" | "mtp" | "none",
+                            "draft_tensors": [the source's mtp.* names]}
 
 The manifest is written last, so its presence marks a complete directory (`is_converted`).
 `fake_quant` lives in the manifest because `config.json` cannot express it (the official
 format implies it from the weight format, which a dequantized conversion no longer has).
-Draft-module (`mtp.*`) tensors are listed by name only; their values are not converted.
+The draft head is stored like the tower (same dtype and quantization); a manifest without
+"draft" (an older conversion) holds none.
 
 Only process 0 writes the JSON files; Orbax coordinates the array writes itself.
 """
@@ -34,10 +38,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from checkpoints.inventory import abstract_model, path_name
+from checkpoints.inventory import abstract_draft, abstract_model, path_name
 from checkpoints.loader import ShardingFn
 from checkpoints.safetensors_io import CheckpointError
 from dsv4.config import ModelConfig
+from dsv4.layers.dspark import DSparkHead
+from dsv4.layers.mtp import MTPHead
 from dsv4.model import Transformer, storage_config
 
 FORMAT = "dsv4-orbax"
@@ -46,6 +52,9 @@ MANIFEST_FILE = "dsv4_checkpoint.json"
 CONFIG_FILE = "config.json"
 INDEX_FILE = "params_index.json"
 PARAMS_DIR = "params"
+DRAFT_DIR = "draft"
+DRAFT_INDEX_FILE = "draft_index.json"
+DRAFT_KINDS = ("none", "dspark", "mtp")
 # What a model directory holds for its text, copied as they are: the tokenizer, its chat template
 # (DeepSeek-V4 ships its chat format as encoding/), generation defaults, and the embedded demo
 # model's marker (which selects its byte tokenizer).
@@ -53,8 +62,8 @@ TOKENIZER_ENTRIES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_
                      "chat_template.jinja", "generation_config.json", "encoding", "demo.json")
 # Everything save_converted writes; a directory holding only these may be overwritten. The text
 # files count only beside an entry no other tool writes (a tokenizer-only directory is not ours).
-_OWN_ENTRIES = frozenset({MANIFEST_FILE, CONFIG_FILE, INDEX_FILE, PARAMS_DIR})
-_CONVERSION_MARKS = frozenset({MANIFEST_FILE, INDEX_FILE, PARAMS_DIR})
+_OWN_ENTRIES = frozenset({MANIFEST_FILE, CONFIG_FILE, INDEX_FILE, PARAMS_DIR, DRAFT_DIR, DRAFT_INDEX_FILE})
+_CONVERSION_MARKS = frozenset({MANIFEST_FILE, INDEX_FILE, PARAMS_DIR, DRAFT_DIR, DRAFT_INDEX_FILE})
 
 DTYPES: dict[str, jnp.dtype] = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -91,7 +100,8 @@ def check_destination(dst: str | os.PathLike, *, overwrite: bool = False) -> Non
 
 def save_converted(model: Transformer, dst: str | os.PathLike, *, quantized: bool, dtype_name: str,
                    draft_tensors: Mapping[str, object] | Iterable[str] | None = None,
-                   overwrite: bool = False, source: str | os.PathLike | None = None) -> dict:
+                   overwrite: bool = False, source: str | os.PathLike | None = None,
+                   draft: DSparkHead | MTPHead | None = None) -> dict:
     """Write `model`'s parameter state and config to `dst`; returns the manifest.
 
     quantized / dtype_name: how `model` was loaded (`load_checkpoint(quantized=, dtype=)`); the
@@ -99,6 +109,7 @@ def save_converted(model: Transformer, dst: str | os.PathLike, *, quantized: boo
     so `restore_converted` can rebuild it. draft_tensors: names (or a name-keyed mapping, such
     as `LoadReport.draft_tensors`) of draft-module tensors the source held, recorded by name.
     source: the model's directory, whose `TOKENIZER_ENTRIES` are copied along (those it has).
+    draft: the model's draft head, loaded alike (`load_draft`), stored beside it.
     """
     dst = os.fspath(dst)
     if dtype_name not in DTYPES:
@@ -106,39 +117,63 @@ def save_converted(model: Transformer, dst: str | os.PathLike, *, quantized: boo
     cfg = model.cfg
     hf_json = cfg.to_hf_json()
     _check_config_round_trip(cfg, hf_json)
-    _, state = nnx.split(model)
-    flat = list(nnx.to_flat_state(state))
-    index = {path_name(p): _spec_json(v.get_value()) for p, v in flat}
-    expected = _expected_index(cfg, quantized, DTYPES[dtype_name])
-    if index != expected:
-        raise ValueError(f"model parameters do not match quantized={quantized}, dtype={dtype_name!r}: "
-                         f"{_index_diff(expected, index, 'expected', 'model has')}")
+    dtype = DTYPES[dtype_name]
+    flat, index = _checked_state(model, _abstract(cfg, quantized, dtype), "model", quantized, dtype_name)
+    draft_flat = draft_index = None
+    if draft is not None:
+        draft_flat, draft_index = _checked_state(draft, _abstract(cfg, quantized, dtype, draft=True), "draft head",
+                                                 quantized, dtype_name)
     check_destination(dst, overwrite=overwrite)
 
     primary = jax.process_index() == 0
     if primary and os.path.isdir(dst):
         # Manifest first: an interrupted overwrite must not look complete.
-        for name in (MANIFEST_FILE, CONFIG_FILE, INDEX_FILE, *TOKENIZER_ENTRIES):
+        for name in (MANIFEST_FILE, CONFIG_FILE, INDEX_FILE, DRAFT_INDEX_FILE, *TOKENIZER_ENTRIES):
             if os.path.isfile(os.path.join(dst, name)):
                 os.remove(os.path.join(dst, name))
-        for name in (PARAMS_DIR, *TOKENIZER_ENTRIES):
+        for name in (PARAMS_DIR, DRAFT_DIR, *TOKENIZER_ENTRIES):
             shutil.rmtree(os.path.join(dst, name), ignore_errors=True)
     if primary:
         os.makedirs(dst, exist_ok=True)
-    tree = _nested({tuple(p): v.get_value() for p, v in flat})
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.abspath(os.path.join(dst, PARAMS_DIR)), tree)
-        ckptr.wait_until_finished()
+    _save_state(flat, os.path.join(dst, PARAMS_DIR))
+    if draft_flat is not None:
+        _save_state(draft_flat, os.path.join(dst, DRAFT_DIR))
 
     names = sorted(draft_tensors) if draft_tensors is not None else []
     manifest = {"format": FORMAT, "version": VERSION, "quantized": bool(quantized), "dtype": dtype_name,
-                "fake_quant": bool(cfg.fake_quant), "draft_tensors": names}
+                "fake_quant": bool(cfg.fake_quant), "draft": cfg.draft_kind if draft is not None else "none",
+                "draft_tensors": names}
     if primary:
         _copy_tokenizer(source, dst)
         _write_json(os.path.join(dst, CONFIG_FILE), hf_json)
         _write_json(os.path.join(dst, INDEX_FILE), index)
+        if draft_index is not None:
+            _write_json(os.path.join(dst, DRAFT_INDEX_FILE), draft_index)
         _write_json(os.path.join(dst, MANIFEST_FILE), manifest)
     return manifest
+
+
+def _abstract(cfg: ModelConfig, quantized: bool, dtype: jnp.dtype, *, draft: bool = False) -> nnx.Module:
+    """The tower (or its draft head) as stored, with ShapeDtypeStruct leaves."""
+    return (abstract_draft if draft else abstract_model)(storage_config(cfg, quantized), dtype)
+
+
+def _checked_state(module: nnx.Module, abstract: nnx.Module, what: str, quantized: bool, dtype_name: str):
+    """(flat state, index) of `module`, which must hold exactly the parameters of `abstract`."""
+    flat = list(nnx.to_flat_state(nnx.split(module)[1]))
+    index = {path_name(p): _spec_json(v.get_value()) for p, v in flat}
+    expected = _index_of(abstract)
+    if index != expected:
+        raise ValueError(f"{what} parameters do not match quantized={quantized}, dtype={dtype_name!r}: "
+                         f"{_index_diff(expected, index, 'expected', f'{what} has')}")
+    return flat, index
+
+
+def _save_state(flat, directory: str) -> None:
+    tree = _nested({tuple(p): v.get_value() for p, v in flat})
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.abspath(directory), tree)
+        ckptr.wait_until_finished()
 
 
 def _copy_tokenizer(source: str | os.PathLike | None, dst: str) -> None:
@@ -178,6 +213,8 @@ def read_manifest(src: str | os.PathLike) -> dict:
         problems.append(f"dtype must be one of {sorted(DTYPES)}, got {manifest.get('dtype')!r}")
     if not isinstance(manifest.get("fake_quant"), bool):
         problems.append(f"fake_quant must be true/false, got {manifest.get('fake_quant')!r}")
+    if manifest.setdefault("draft", "none") not in DRAFT_KINDS:
+        problems.append(f"draft must be one of {list(DRAFT_KINDS)}, got {manifest.get('draft')!r}")
     if not isinstance(manifest.get("draft_tensors"), list):
         problems.append(f"draft_tensors must be a list of names, got {manifest.get('draft_tensors')!r}")
     if problems:
@@ -197,6 +234,27 @@ def restore_converted(src: str | os.PathLike, *, sharding: ShardingFn | None = N
     stored, anything else must match it (weights are never re-encoded at restore).
     """
     src = os.fspath(src)
+    manifest, cfg = _stored_config(src, fake_quant=fake_quant, dtype=dtype, quantized=quantized)
+    abstract = _abstract(cfg, manifest["quantized"], DTYPES[manifest["dtype"]])
+    return _restore_module(src, abstract, PARAMS_DIR, INDEX_FILE, sharding), manifest
+
+
+def restore_converted_draft(src: str | os.PathLike, *, sharding: ShardingFn | None = None,
+                            fake_quant: bool | None = None, dtype: str | jnp.dtype | None = None,
+                            quantized: bool | None = None) -> DSparkHead | MTPHead:
+    """The draft head stored beside the tower (arguments as `restore_converted`);
+    CheckpointError when the conversion kept none."""
+    src = os.fspath(src)
+    manifest, cfg = _stored_config(src, fake_quant=fake_quant, dtype=dtype, quantized=quantized)
+    if manifest["draft"] == "none":
+        raise CheckpointError(f"{src}: the conversion kept no draft head (its source had none, or it predates "
+                              f"draft conversion); re-convert the official directory")
+    abstract = _abstract(cfg, manifest["quantized"], DTYPES[manifest["dtype"]], draft=True)
+    return _restore_module(src, abstract, DRAFT_DIR, DRAFT_INDEX_FILE, sharding)
+
+
+def _stored_config(src: str, *, fake_quant: bool | None, dtype, quantized: bool | None) -> tuple[dict, ModelConfig]:
+    """(manifest, config) of a converted directory, after checking the caller's expectations."""
     manifest = read_manifest(src)
     stored_dtype = DTYPES[manifest["dtype"]]
     if dtype is not None and jnp.dtype(dtype) != jnp.dtype(stored_dtype):
@@ -210,14 +268,19 @@ def restore_converted(src: str | os.PathLike, *, sharding: ShardingFn | None = N
         cfg = ModelConfig.from_hf_json(src, fake_quant=manifest["fake_quant"] if fake_quant is None else fake_quant)
     except FileNotFoundError:
         raise CheckpointError(f"{src}: {CONFIG_FILE} not found next to {MANIFEST_FILE}") from None
-    params_dir = os.path.abspath(os.path.join(src, PARAMS_DIR))
-    if not os.path.isdir(params_dir):
-        raise CheckpointError(f"{src}: {PARAMS_DIR}/ not found next to {MANIFEST_FILE}")
+    return manifest, cfg
 
-    model = abstract_model(storage_config(cfg, manifest["quantized"]), stored_dtype)
-    graphdef, state = nnx.split(model)
+
+def _restore_module(src: str, abstract: nnx.Module, directory: str, index_file: str,
+                    sharding: ShardingFn | None) -> nnx.Module:
+    """`abstract` filled from the Orbax checkpoint `src/directory`, each array read into its
+    sharding, after checking the stored index (where present) against it."""
+    params_dir = os.path.abspath(os.path.join(src, directory))
+    if not os.path.isdir(params_dir):
+        raise CheckpointError(f"{src}: {directory}/ not found next to {MANIFEST_FILE}")
+    graphdef, state = nnx.split(abstract)
     flat = list(nnx.to_flat_state(state))
-    index_path = os.path.join(src, INDEX_FILE)
+    index_path = os.path.join(src, index_file)
     if os.path.isfile(index_path):
         with open(index_path) as f:
             stored = json.load(f)
@@ -231,12 +294,12 @@ def restore_converted(src: str | os.PathLike, *, sharding: ShardingFn | None = N
         dest = sharding(path_name(path), tuple(leaf.shape)) if sharding is not None else None
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=dest if dest is not None else default)
 
-    abstract = _nested({tuple(p): target(p, v.get_value()) for p, v in flat})
+    targets = _nested({tuple(p): target(p, v.get_value()) for p, v in flat})
     with ocp.StandardCheckpointer() as ckptr:
-        restored = ckptr.restore(params_dir, abstract)
+        restored = ckptr.restore(params_dir, targets)
     values = _flatten(restored)
     state = nnx.from_flat_state([(p, v.replace(values[tuple(str(k) for k in p)])) for p, v in flat])
-    return nnx.merge(graphdef, state), manifest
+    return nnx.merge(graphdef, state)
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -248,8 +311,8 @@ def _check_config_round_trip(cfg: ModelConfig, hf_json: dict) -> None:
         raise ValueError("the model config does not survive config.json; fields that change: " + "; ".join(diff))
 
 
-def _expected_index(cfg: ModelConfig, quantized: bool, dtype: jnp.dtype) -> dict:
-    _, state = nnx.split(abstract_model(storage_config(cfg, quantized), dtype))
+def _index_of(abstract: nnx.Module) -> dict:
+    _, state = nnx.split(abstract)
     return {path_name(p): _spec_json(v.get_value()) for p, v in nnx.to_flat_state(state)}
 
 

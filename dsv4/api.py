@@ -182,7 +182,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | Any | None = None, 
     # Imported here: `checkpoints` depends on `dsv4`, not the other way round; this facade is
     # the one place the model package reaches the loader.
     from checkpoints.loader import CheckpointError, load_checkpoint, load_draft
-    from checkpoints.orbax_io import is_converted, restore_converted
+    from checkpoints.orbax_io import is_converted, restore_converted, restore_converted_draft
 
     converted = is_converted(path)
     sharding = placement.param_sharding if placement is not None else None
@@ -194,15 +194,19 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | Any | None = None, 
         dtype = _DTYPES[dtype]
     backend = parse_backend(backend)
     if converted:
-        if draft != "none":
-            raise ValueError(f"{path} is a converted checkpoint, which keeps no draft head: load the official "
-                             f"directory for speculative decoding")
         # Storage (dtype, quantized) was fixed at conversion: None accepts it, a different request raises.
         module, manifest = restore_converted(path, dtype=dtype, quantized=quantized, fake_quant=fake_quant,
                                              sharding=sharding)
+        head = None
+        if draft != "none":
+            if manifest["draft"] != draft:
+                raise CheckpointError(f"{path}: asked for a {draft} draft head, the conversion kept "
+                                      f"{manifest['draft']!r}")
+            head = restore_converted_draft(path, dtype=dtype, quantized=quantized, fake_quant=fake_quant,
+                                           sharding=sharding)
         summary = (f"restored {path} (converted: dtype {manifest['dtype']}, quantized={manifest['quantized']}, "
-                   f"{len(manifest.get('draft_tensors', []))} draft tensors listed)")
-        return Model(module, backend, summary, placement)
+                   f"draft head {manifest['draft']})")
+        return Model(module, backend, summary, placement, draft_head=head)
     overrides = {} if fake_quant is None else {"fake_quant": fake_quant}
     module, report = load_checkpoint(path, dtype=dtype, quantized=bool(quantized), config_overrides=overrides,
                                      sharding=sharding)

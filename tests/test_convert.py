@@ -21,11 +21,11 @@ from checkpoints.inventory import path_name
 from checkpoints.loader import load_checkpoint
 from checkpoints.safetensors_io import CheckpointError
 from checkpoints.testing import write_tiny_checkpoint
-from dsv4.config import TINY
+from dsv4.config import TINY, ModelConfig
 from dsv4.ops.registry import ops_for
 
 SEED = 7
-DRAFT_STAGES = 1
+DRAFT_STAGES = 3  # TINY's DSpark head, whole
 
 
 # Text files of a model directory, as DeepSeek-V4 ships them (contents only need to survive).
@@ -110,15 +110,43 @@ def test_the_tokenizer_files_come_along(converted):
             assert (dst / name).read_text() == text, name
 
 
-def test_a_converted_demo_model_serves_its_text(tmp_path):
+@pytest.mark.parametrize("mode", ["quantized", "dequantized"])
+def test_the_draft_head_is_converted_bit_for_bit(official, converted, mode):
+    from checkpoints.loader import draft_kind, load_draft
+
+    dst = converted[mode][0]
+    kind = draft_kind(official)
+    assert kind != "none" and draft_kind(dst) == kind
+    direct = load_draft(official, dtype=jnp.bfloat16, quantized=mode == "quantized")
+    restored = orbax_io.restore_converted_draft(dst)
+    a, b = _leaves(direct), _leaves(restored)
+    assert a and _differences(a, b) == []
+
+
+def test_a_converted_demo_model_serves_like_its_source_with_speculation(tmp_path, capsys):
+    # Same text tokenizer, same greedy tokens with the draft head drafting.
+    from serving import generate
     from serving.demo_model import ensure_demo_checkpoint
     from serving.tokenizer import ByteTokenizer, load_tokenizer
 
     demo = ensure_demo_checkpoint(str(tmp_path / "demo"))
-    assert main([demo, str(tmp_path / "converted"), "--dequantize", "--dtype", "float32"]) == 0
-    tok = load_tokenizer(str(tmp_path / "converted"), vocab_size=TINY.vocab_size, bos_token_id=TINY.bos_token_id,
+    converted = str(tmp_path / "converted")
+    assert main([demo, converted, "--dequantize", "--dtype", "float32"]) == 0
+    tok = load_tokenizer(converted, vocab_size=TINY.vocab_size, bos_token_id=TINY.bos_token_id,
                          eos_token_id=TINY.eos_token_id)
     assert isinstance(tok, ByteTokenizer)
+    outputs = {}
+    for name, model in (("source", demo), ("converted", converted)):
+        out = tmp_path / f"{name}.jsonl"
+        assert generate.main(["--model", model, "--quantized", "off", "--dtype", "float32", "--prompt", "hello",
+                              "--prompt", "abc", "--max-tokens", "6", "--ignore-eos", "--speculation", "dspark",
+                              "--num-speculative-tokens", "2", "--max-num-seqs", "2", "--max-num-batched-tokens",
+                              "16", "--bucket-tokens", "16", "--max-model-len", "32", "--compilation-cache", "",
+                              "--no-progress", "--output", str(out)]) == 0
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        outputs[name] = {r["id"]: r["token_ids"] for r in records}
+        assert all(r["usage"]["draft_tokens"] > 0 for r in records)
+    assert outputs["converted"] == outputs["source"]
 
 
 def test_difference_check_sees_one_flipped_bit(official, converted):
@@ -145,7 +173,8 @@ def test_manifest_and_config(official, converted):
             drafts = sorted(n for n in json.load(f)["weight_map"] if n.startswith("mtp."))
         assert drafts
         assert manifest == {"format": "dsv4-orbax", "version": 1, "quantized": quantized, "dtype": "bfloat16",
-                            "fake_quant": True, "draft_tensors": drafts}
+                            "fake_quant": True, "draft": ModelConfig.from_hf_json(official).draft_kind,
+                            "draft_tensors": drafts}
     # fake_quant survives although the dequantized config.json has no FP8 weights to imply it.
     restored, _ = orbax_io.restore_converted(converted["dequantized"][0])
     assert restored.cfg.fake_quant
@@ -305,3 +334,14 @@ def test_save_refuses_mismatched_description(official, tmp_path):
     with pytest.raises(ValueError, match="dtype_name"):
         orbax_io.save_converted(model, tmp_path / "y", quantized=True, dtype_name="fp8")
     assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
+
+
+def test_a_broken_draft_head_is_left_behind_with_a_warning(tmp_path, capsys):
+    partial = tmp_path / "partial"
+    # The config names three target layers (three stages); the files hold one stage.
+    write_tiny_checkpoint(TINY, partial, SEED, quantized=True, float_dtype="F32", draft_stages=1)
+    assert main([str(partial), str(tmp_path / "dst")]) == 0
+    assert "the draft head is not converted (speculation will be off)" in capsys.readouterr().err
+    assert orbax_io.read_manifest(tmp_path / "dst")["draft"] == "none"
+    with pytest.raises(CheckpointError, match="kept no draft head"):
+        orbax_io.restore_converted_draft(tmp_path / "dst")
