@@ -30,6 +30,7 @@ TARGETS = {
     "dsv4_kv_write": "Dsv4KvWrite",
     "dsv4_fp8_linear": "Dsv4Fp8Linear",
     "dsv4_moe_experts": "Dsv4MoeExperts",
+    "dsv4_moe_experts_grouped": "Dsv4MoeExpertsGrouped",
 }
 
 LIBRARIES = {"cpu": "libdsv4_ffi_cpu.so", "cuda": "libdsv4_ffi_cuda.so"}

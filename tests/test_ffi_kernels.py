@@ -643,7 +643,8 @@ def _fp8_weight(rng, n, k):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("lead, k, n", [((1,), 64, 48), ((5,), 256, 130), ((2, 3), 200, 256), ((17,), 384, 7)])
+@pytest.mark.parametrize("lead, k, n", [((1,), 64, 48), ((5,), 256, 130), ((2, 3), 200, 256), ((17,), 384, 7),
+                                        ((3, 24), 160, 130), ((40,), 200, 64)])
 def test_fp8_linear_matches_the_reference(dtype, lead, k, n):
     # K and N on and off the 128 blocks; activations whose 128-blocks differ by many octaves
     # (each its own act_quant scale), and one all-zero block (the floored scale).
@@ -702,7 +703,7 @@ MOE_ROUTINGS = {
 @pytest.mark.parametrize("routing", sorted(MOE_ROUTINGS))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("fmt_name", ["FP4", "FP8"])
-@pytest.mark.parametrize("t", [1, 13])
+@pytest.mark.parametrize("t", [1, 13, 30, 200])  # CUDA: per token; grouped in tiles of 8, 16 and 32
 def test_moe_experts_matches_the_reference(routing, dtype, fmt_name, t):
     # Shapes off the 128 blocks (D 192 = 1.5 blocks, F 160); a SwiGLU limit the random gates
     # and ups cross on both sides; experts that get no token, or every token ("hot").
@@ -726,6 +727,29 @@ def test_moe_experts_matches_the_reference(routing, dtype, fmt_name, t):
     if routing == "edges":
         away = ~np.any((np.asarray(sel) >= 0) & (np.asarray(sel) < e), axis=1)
         assert (np.asarray(got)[away] == 0).all()
+
+
+@pytest.mark.parametrize("routing", sorted(MOE_ROUTINGS))
+@pytest.mark.parametrize("t, e, k, tile", [(1, 6, 3, 8), (13, 6, 3, 8), (200, 6, 3, 32), (40, 256, 6, 8)])
+def test_the_routing_plan_tiles_every_local_assignment_once(routing, t, e, k, tile):
+    # The kernel's view of the plan (FindTile in moe_experts_cuda.cu): tile b belongs to the first
+    # expert whose running tile count exceeds b, and covers up to `tile` of its sorted assignments.
+    from dsv4.ops.moe_experts.ffi import max_tiles, routing_plan
+
+    sel = MOE_ROUTINGS[routing](np.random.default_rng(t), t, e, k)
+    order, groups = (np.asarray(a) for a in routing_plan(jnp.asarray(sel, jnp.int32), e, tile))
+    seen = []
+    for b in range(max_tiles(t * k, e, tile)):
+        expert = int(np.searchsorted(groups[:, 2], b, side="right"))
+        if expert == e:
+            continue
+        first, count, tiles_end = groups[expert]
+        local = b - (tiles_end - -(-count // tile))
+        tile_ids = order[first + local * tile: first + min((local + 1) * tile, count)]
+        assert 0 < len(tile_ids) <= tile and (sel.reshape(-1)[tile_ids] == expert).all()
+        seen.extend(tile_ids.tolist())
+    local_ids = np.flatnonzero((sel.reshape(-1) >= 0) & (sel.reshape(-1) < e))
+    assert sorted(seen) == local_ids.tolist()
 
 
 def test_moe_experts_without_act_quant_or_with_dense_weights_is_the_reference():

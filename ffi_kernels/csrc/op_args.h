@@ -2,8 +2,10 @@
 // shapes and table views the kernels use out, or an InvalidArgument error naming the problem.
 #pragma once
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <initializer_list>
 
 #include "act_quant.h"
 #include "ffi_args.h"
@@ -239,6 +241,38 @@ inline ffi::Error ParseMoe(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>&
                     a->w1.fp4 == a->w2.fp4;
   if (!same) return Invalid("w1, w3 must be [E, F, D] and w2 [E, D, F], in one format, with x's D");
   if (y_dims.size() != 2 || y_dims[0] != a->t || y_dims[1] != a->d) return Invalid("y must be [T, D]");
+  return ffi::Error::Success();
+}
+
+// The activation scratch of the per-token CUDA kernels, [T, K, F] f32.
+inline ffi::Error CheckActivationScratch(ffi::Span<const int64_t> dims, const MoeArgs& a) {
+  if (dims.size() != 3 || dims[0] != a.t || dims[1] != a.k || dims[2] != a.f) {
+    return Invalid("the activation scratch must be [T, K, F]");
+  }
+  return ffi::Error::Success();
+}
+
+// The most token tiles any routing of `assignments` over `experts` can need: each expert's last
+// tile may be partial (moe_experts/ffi.py's max_tiles).
+inline int64_t GroupedMaxTiles(int64_t assignments, int64_t experts, int64_t tile_tokens) {
+  return assignments / tile_tokens + std::min(experts, assignments);
+}
+
+// The grouped CUDA form's plan and scratch (see moe_experts_cuda.cu).
+inline ffi::Error CheckGroupedMoe(ffi::Span<const int64_t> order, ffi::Span<const int64_t> groups,
+                                  ffi::Span<const int64_t> xq, ffi::Span<const int64_t> xs,
+                                  ffi::Span<const int64_t> aq, ffi::Span<const int64_t> as,
+                                  ffi::Span<const int64_t> part, int32_t tile_tokens, const MoeArgs& a) {
+  if (tile_tokens != 8 && tile_tokens != 16 && tile_tokens != 32) return Invalid("tile must be 8, 16 or 32");
+  if (a.d % 32 != 0 || a.f % 32 != 0) return Invalid("the grouped form needs D and F multiples of 32");
+  const int64_t tk = a.t * a.k, db = (a.d + kActBlock - 1) / kActBlock, fb = (a.f + kActBlock - 1) / kActBlock;
+  auto is = [](ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want) {
+    return dims.size() == want.size() && std::equal(want.begin(), want.end(), dims.begin());
+  };
+  if (!is(order, {tk}) || !is(groups, {a.e, 3})) return Invalid("the routing plan must be order [T K] and groups [E, 3]");
+  if (!is(xq, {a.t, a.d}) || !is(xs, {a.t, db}) || !is(aq, {tk, a.f}) || !is(as, {tk, fb}) || !is(part, {tk, a.d})) {
+    return Invalid("the scratch must be xq [T, D], xs [T, D/128], aq [T K, F], as [T K, F/128], part [T K, D]");
+  }
   return ffi::Error::Success();
 }
 
