@@ -374,37 +374,35 @@ ffi::Error MoeExpertsGroupedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buf
 
 namespace ffi = xla::ffi;
 
-// The arguments are those of Dsv4MoeExpertsCpu (moe_experts_cpu.cc), after the stream.
+namespace {
+
+// The stream, then the arguments of Dsv4MoeExpertsCpu (moe_experts_cpu.cc): both CUDA forms'.
+auto BindMoeArgs() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()         // x [T, D]
+      .Arg<ffi::Buffer<ffi::S32>>()  // selected experts [T, K]
+      .Arg<ffi::Buffer<ffi::F32>>()  // routing weights [T, K]
+      .Arg<ffi::AnyBuffer>()         // w1
+      .Arg<ffi::Buffer<ffi::U8>>()   // w1 scales
+      .Arg<ffi::AnyBuffer>()         // w3
+      .Arg<ffi::Buffer<ffi::U8>>()   // w3 scales
+      .Arg<ffi::AnyBuffer>()         // w2
+      .Arg<ffi::Buffer<ffi::U8>>();  // w2 scales
+}
+
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4MoeExpertsCuda, dsv4::MoeExpertsCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()         // x [T, D]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // selected experts [T, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // routing weights [T, K]
-                                  .Arg<ffi::AnyBuffer>()         // w1
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // w1 scales
-                                  .Arg<ffi::AnyBuffer>()         // w3
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // w3 scales
-                                  .Arg<ffi::AnyBuffer>()         // w2
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // w2 scales
+                              BindMoeArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, D]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // activation scratch [T, K, F]
                                   .Attr<float>("limit"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-// The per-token arguments, then the routing plan and the scratch (moe_experts/ffi.py sizes them).
+// Then the routing plan and the scratch (moe_experts/ffi.py sizes them).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv4MoeExpertsGroupedCuda, dsv4::MoeExpertsGroupedCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()         // x [T, D]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // selected experts [T, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // routing weights [T, K]
-                                  .Arg<ffi::AnyBuffer>()         // w1
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // w1 scales
-                                  .Arg<ffi::AnyBuffer>()         // w3
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // w3 scales
-                                  .Arg<ffi::AnyBuffer>()         // w2
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // w2 scales
+                              BindMoeArgs()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // order [T K]: assignments sorted by expert
                                   .Arg<ffi::Buffer<ffi::S32>>()  // groups [E, 3]: first, count, running tiles
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, D]
