@@ -176,9 +176,6 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | Any | None = None, 
     """
     if draft not in ("none", "dspark", "mtp"):
         raise ValueError(f"draft must be 'none', 'dspark' or 'mtp', got {draft!r}")
-    if draft != "none" and placement is not None:
-        raise ValueError("speculative decoding on a device mesh is not supported yet: load the draft head "
-                         "without a placement")
     # Imported here: `checkpoints` depends on `dsv4`, not the other way round; this facade is
     # the one place the model package reaches the loader.
     from checkpoints.loader import CheckpointError, load_checkpoint, load_draft

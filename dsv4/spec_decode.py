@@ -492,12 +492,28 @@ class SpecRunner:
         self._draft_lm_head = runner.params["head"]["weight"][...] if draft_lm_head is None else draft_lm_head
         n, v = runner.geometry.num_slots, cfg.vocab_size
         dtype = runner.params["embed"]["weight"][...].dtype
-        self._init = jax.jit(lambda: (init_draft_state(head, n, dtype),
-                                      Pending(tokens=jnp.zeros((n, k), jnp.int32),
-                                              probs=jnp.zeros((n, k, v), jnp.float32))))
+        init = lambda: (init_draft_state(head, n, dtype),  # noqa: E731
+                        Pending(tokens=jnp.zeros((n, k), jnp.int32), probs=jnp.zeros((n, k, v), jnp.float32)))
+        placement = runner.placement
+        if placement is None:
+            self._init = jax.jit(init)
+            jit = lambda f: jax.jit(f, donate_argnums=(2, 3, 4))  # noqa: E731
+        else:
+            # On a mesh: the head's parameters sharded by the target's rules (its mtp.S.* names
+            # match the same patterns), the ops shard-local as the target's, and the draft rings
+            # and pending drafts, like the batch, whole on every device (small: one block a slot).
+            ops = placement.shard_ops(ops)
+            self._head_params = placement.place_params(self._head_params)
+            rep = placement.replicated()
+            self._init = jax.jit(init, out_shardings=rep)
+            lm_head_sh = jax.tree.map(lambda x: x.sharding, self._draft_lm_head)
+            shardings = (placement.param_shardings(runner.params), placement.param_shardings(self._head_params),
+                         runner.state_shardings, rep, rep, rep, rep, lm_head_sh)
+            jit = lambda f: jax.jit(f, donate_argnums=(2, 3, 4), in_shardings=shardings,  # noqa: E731
+                                    out_shardings=(runner.state_shardings, rep, rep, rep))
         self.draft, self.pending = self._init()
-        self._steps = {d: jax.jit(make_spec_step(runner.graphdef, head_graphdef, runner.geometry, ops, k, d),
-                                  donate_argnums=(2, 3, 4)) for d in self.depths}
+        self._steps = {d: jit(make_spec_step(runner.graphdef, head_graphdef, runner.geometry, ops, k, d))
+                       for d in self.depths}
         self._compiled: dict = {}
 
     @property

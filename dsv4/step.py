@@ -185,6 +185,7 @@ class StepRunner:
             raise ValueError(f"max_logprobs must lie in [0, {config.vocab_size}] (the vocabulary), got {max_logprobs}")
         self.config, self.geometry, self.policy = config, geometry, policy
         self.graphdef = graphdef
+        self.placement = placement
         self.buckets = tuple(sorted(set(buckets)))
         if placement is not None:
             ops = placement.shard_ops(ops)
@@ -192,13 +193,14 @@ class StepRunner:
         step = make_step(graphdef, geometry, ops, return_logits=return_logits, max_logprobs=max_logprobs)
         init = lambda: init_state(config, geometry)  # noqa: E731
         self._init_state = jax.jit(init) if placement is None else None
+        self.state_shardings = None  # on a mesh, the decode state's (the speculative step's too)
         if placement is None:
             self.params = params
             self.state: DecodeState = self._init_state()
             self._step = jax.jit(step, donate_argnums=(1,))
         else:
             self.params = placement.place_params(params)
-            state_sh = placement.state_shardings(jax.eval_shape(init))
+            state_sh = self.state_shardings = placement.state_shardings(jax.eval_shape(init))
             self._init_state = jax.jit(init, out_shardings=state_sh)
             self.state = self._init_state()
             rep = placement.replicated()

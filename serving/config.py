@@ -103,8 +103,6 @@ class ServingConfig:
                        f"{self.tensor_parallel_size} and {self.expert_parallel_size}")
         if self.deployment is not None and (self.tensor_parallel_size > 1 or self.expert_parallel_size > 1):
             bad.append("give either deployment and mesh or tensor_parallel_size / expert_parallel_size, not both")
-        if self.speculation != "none" and self.parallelism()[0] is not None:
-            bad.append("speculation on a device mesh (deployment) is not supported yet")
         if (self.deployment is None) != (not self.mesh):
             bad.append("deployment and mesh go together (e.g. deployment tp with mesh 2)")
         if any(t < 1 for t in self.bucket_tokens) or (self.bucket_tokens and

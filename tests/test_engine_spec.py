@@ -37,14 +37,14 @@ def spec_runner(model, head, *, slots: int, budget: int, token_sizes, k: int = K
                 snapshot_slots: int = 0, requests: int | None = None,
                 backend: str = "reference") -> tuple[StepRunner, SpecRunner]:
     """A float32 StepRunner for MAX_LEN-token requests (buckets with K + 1 outputs per request
-    and taps) and the SpecRunner over it, both on `backend`'s ops."""
+    and taps) and the SpecRunner over it, both on `backend`'s ops, on the model's placement."""
     page = default_page_tokens(model.config)
     per_seq = math.ceil(MAX_LEN / page)
     geometry = StateGeometry(num_slots=slots, num_pages=slots * pages_per_slot * per_seq, page_tokens=page,
                              max_pages_per_seq=per_seq, max_spec_tokens=k, dtype=jnp.float32)
     buckets = make_buckets(budget, requests or slots, max_spec_tokens=k, taps=True, token_sizes=token_sizes)
     runner = StepRunner(model.graphdef, model.params, model.config, geometry, buckets, ops_for(backend),
-                        snapshot_slots=snapshot_slots)
+                        snapshot_slots=snapshot_slots, placement=model.placement)
     return runner, SpecRunner(runner, head, ops_for(backend), k=k)
 
 
@@ -96,6 +96,33 @@ def test_the_quantised_model_on_the_ffi_kernels_speculates_losslessly(tmp_path):
     out, finals = run_all(engine((model, runner, spec, tmp_path)), reqs)
     assert [out[str(i)] for i in range(3)] == want
     assert all(f.usage.draft_tokens > 0 for f in finals.values())
+
+
+# tp_ep splits heads and vocabulary over `tensor` and experts over `expert`; dp_tp splits the
+# requests' state over `data` (pure tp is tp_ep without its expert axis).
+@pytest.mark.parametrize("deployment, sizes", [("tp_ep", (2, 2)), ("dp_tp", (2, 2))])
+def test_speculation_on_a_mesh_is_plain_greedy_and_samples_as_one_device(parts, deployment, sizes):
+    """The draft head sharded by the target's rules, drafting and verifying on a CPU mesh: greedy
+    tokens are the unsharded plain greedy ones; a seeded sampled request gives the tokens it
+    gives on one device."""
+    from dsv4 import sharding as sh
+
+    model, _, _, path = parts
+    dep = sh.Deployment(deployment)
+    placement = sh.Placement(sh.make_mesh(dep, sizes), dep)
+    sharded = dsv4.load_pretrained(path, dtype="float32", placement=placement, draft="dspark")
+    runner, spec = spec_runner(sharded, sharded.draft_head, slots=4, budget=32, token_sizes=[8, 32])
+    shards = placement.mesh_shape.get("data", 1)
+    want = model.generate(PROMPTS, 14, max_num_seqs=3, max_num_batched_tokens=32)
+    greedy = [EngineRequest(str(i), tuple(p), SamplingParams(max_tokens=14, ignore_eos=True))
+              for i, p in enumerate(PROMPTS)]
+    sampled = EngineRequest("s", tuple(PROMPTS[1]), SamplingParams(max_tokens=12, temperature=0.9, seed=7,
+                                                                   ignore_eos=True))
+    out, finals = run_all(engine((sharded, runner, spec, path), data_shards=shards), greedy + [sampled])
+    assert [out[str(i)] for i in range(3)] == want
+    assert all(finals[str(i)].usage.draft_tokens > 0 for i in range(3))
+    alone, _ = run_all(engine(parts), [sampled])
+    assert out["s"] == alone["s"]
 
 
 def test_a_stop_token_ends_the_request_there_even_inside_a_verified_block(parts):

@@ -81,11 +81,9 @@ def test_file_errors_name_the_problem(tmp_path):
     (dict(speculation="dspark", num_speculative_tokens=-1), "num_speculative_tokens must be >= 0"),
     (dict(capacity_verification=True), "need speculation dspark"),
     (dict(draft_fp8_head=True), "need speculation dspark"),
-    (dict(speculation="dspark", deployment="tp", mesh=(2,)), "not supported yet"),
     (dict(deployment="tp"), "deployment and mesh go together"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size and expert_parallel_size must be >= 1"),
     (dict(deployment="tp", mesh=(2,), tensor_parallel_size=2), "either deployment and mesh or"),
-    (dict(speculation="mtp", expert_parallel_size=2), "not supported yet"),
     (dict(bucket_tokens=(16, 128)), "bucket_tokens must"),
 ])
 def test_bad_values_are_named(kw, message):
