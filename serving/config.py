@@ -69,7 +69,9 @@ class ServingConfig:
             raise ValueError("bad serving config: " + "; ".join(problems))
 
     def problems(self) -> list[str]:
-        bad = []
+        bad = type_problems(self)
+        if bad:  # the value checks below assume the types
+            return bad
         if self.dtype not in ("auto", "float32", "bfloat16"):
             bad.append(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.max_num_seqs < 1:
@@ -125,13 +127,40 @@ class ServingConfig:
         unknown = sorted(set(values) - names)
         if unknown:
             raise ValueError(f"{source}: unknown keys {unknown}; known: {sorted(names)}")
-        fixed = {k: tuple(v) if k in ("mesh", "bucket_tokens") and v is not None else v for k, v in values.items()}
-        return cls(**fixed)
+        fixed = {k: tuple(v) if k in ("mesh", "bucket_tokens") and isinstance(v, list) else v for k, v in values.items()}
+        try:
+            return cls(**fixed)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
 
     @classmethod
     def from_file(cls, path: str) -> ServingConfig:
         """A TOML (.toml) or YAML (.yaml / .yml) file of field values."""
         return cls.from_mapping(read_config_file(path), path)
+
+
+# A field's annotation -> (whether a value has that type, its name in messages).
+_TYPE_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "int | None": (lambda v: v is None or isinstance(v, int) and not isinstance(v, bool), "an integer or null"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "str | None": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "tuple[int, ...]": (lambda v: isinstance(v, tuple) and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                for x in v), "a list of integers"),
+}
+
+
+def type_problems(config: ServingConfig) -> list[str]:
+    """One message per field whose value is not of the field's type (key, value, expected)."""
+    bad = []
+    for f in dataclasses.fields(config):
+        check, expected = _TYPE_CHECKS[f.type]
+        value = getattr(config, f.name)
+        if not check(value):
+            bad.append(f"{f.name} must be {expected}, got {value!r} ({type(value).__name__})")
+    return bad
 
 
 def read_config_file(path: str) -> dict[str, Any]:

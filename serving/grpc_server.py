@@ -1,4 +1,4 @@
-"""gRPC server: `python -m serving.grpc_server [--model DIR] [--port 50051] [--host 0.0.0.0] [--metrics-port 9090]`.
+"""gRPC server: `python -m serving.grpc_server [--model DIR] [--port 50051] [--host 127.0.0.1] [--metrics-port 9090]`.
 
 Every `ServingConfig` field is a flag too (`serving.config.add_serving_flags`: --max-num-seqs,
 --max-model-len, --config FILE, ...); without --model it serves the embedded demo model
@@ -279,7 +279,7 @@ class GrpcServer:
     """The aio gRPC server (Generation, health, reflection) and the metrics endpoint; the methods
     run on its event loop. start() -> attach(engine, ...) -> serve -> drain() -> stop()."""
 
-    def __init__(self, *, host: str = "0.0.0.0", port: int = DEFAULT_PORT, metrics_port: int | None = None):
+    def __init__(self, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, metrics_port: int | None = None):
         """metrics_port: None = no metrics endpoint; 0 = any free port."""
         self.host, self.port, self.metrics_port = host, port, metrics_port
         self.metrics = ServingMetrics()
@@ -390,7 +390,9 @@ class ServerThread:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m serving.grpc_server", description=__doc__.splitlines()[0])
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on, gRPC and metrics (default: %(default)s, this machine only; "
+                        "0.0.0.0 listens on every interface, without TLS or authentication)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port; 0 = any free one (default: %(default)s)")
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                    help="Prometheus HTTP port; 0 = off (default: %(default)s)")

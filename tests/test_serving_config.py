@@ -67,6 +67,29 @@ def test_file_errors_name_the_problem(tmp_path):
 
 
 @pytest.mark.parametrize("kw, message", [
+    (dict(max_num_seqs="eight"), r"max_num_seqs must be an integer, got 'eight' \(str\)"),
+    (dict(max_num_seqs=4.5), r"max_num_seqs must be an integer, got 4.5 \(float\)"),
+    (dict(mesh=5, deployment="tp"), r"mesh must be a list of integers, got 5 \(int\)"),
+    (dict(memory_fraction="high"), "memory_fraction must be a number"),
+    (dict(enable_prefix_caching="yes"), "enable_prefix_caching must be true or false"),
+    (dict(max_req_tokens=True), "max_req_tokens must be an integer or null"),
+    (dict(deployment=2), "deployment must be a string or null"),
+])
+def test_values_of_the_wrong_type_are_named_with_the_type_expected(kw, message):
+    with pytest.raises(ValueError, match=message):
+        ServingConfig(**kw)
+
+
+def test_a_config_file_with_wrong_types_names_the_file_key_and_type(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('max_num_seqs = "eight"\nmesh = 5\nmemory_fraction = 1\n')
+    with pytest.raises(ValueError) as e:
+        ServingConfig.from_file(str(path))
+    assert str(path) in str(e.value) and "max_num_seqs must be an integer" in str(e.value)
+    assert "mesh must be a list of integers, got 5" in str(e.value) and "memory_fraction" not in str(e.value)
+
+
+@pytest.mark.parametrize("kw, message", [
     (dict(dtype="fp16"), "dtype must be"),
     (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
     (dict(max_num_seqs=8, max_num_batched_tokens=4), "must be >= max_num_seqs"),
