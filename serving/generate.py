@@ -53,6 +53,7 @@ from typing import IO, Any, Iterable, Iterator, Mapping
 from dsv4.generation import derive_seed
 from serving.config import DEMO_MODEL, ServingConfig, add_serving_flags, config_from_args, read_config_file
 from serving.engine_plan import add_dry_run_flags, run_dry_run
+from serving.startup import run_interruptible
 from serving.engine import (Engine, EngineRequest, FinishReason, QueueFullError, RequestOutput, SamplingParams,
                             SpeculationStats)
 from serving.text import TextStream, stop_string_problems
@@ -576,7 +577,7 @@ def _run(args: argparse.Namespace) -> int:
     _check_sampling_flags(defaults, args.seed, 2**31, config.max_logprobs)  # before the slow part
     lines, total = _input_lines(args)
     existing = scan_output(args.output) if args.output else ExistingOutput(set(), [], 0)
-    tokenizer, engine = _load(config, defaults, args.seed)
+    tokenizer, engine = run_interruptible(lambda: _load(config, defaults, args.seed), what="loading and warm-up")
     try:
         out = open_output(args.output, existing) if args.output else sys.stdout
     except OSError as e:

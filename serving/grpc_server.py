@@ -51,6 +51,7 @@ from grpc_reflection.v1alpha import reflection
 
 from serving.config import ServingConfig, add_serving_flags, config_from_args
 from serving.engine_plan import add_dry_run_flags, run_dry_run
+from serving.startup import STOP_SIGNALS, stop_now
 from serving.engine import Engine, EngineRequest, SamplingParams, TokenLogprob, Usage
 from serving.engine_loop import EngineLoop, ErrorKind, StreamEvent
 from serving.metrics import ServingMetrics
@@ -421,18 +422,25 @@ def _load(config: ServingConfig):
 async def serve(config: ServingConfig, *, host: str, port: int, metrics_port: int | None,
                 drain_timeout: float) -> int:
     """Run the server until SIGTERM / SIGINT; the process's exit code."""
-    import signal
 
     server = GrpcServer(host=host, port=port, metrics_port=metrics_port)
     bound = await server.start()
     metrics = f", metrics on http://{host}:{server.metrics_port}/metrics" if server.metrics_port else ""
     print(f"listening on {host}:{bound}{metrics} (NOT_SERVING until warmed up)", flush=True)
     shutdown = asyncio.Event()
+    received: list[int] = []
     aloop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        aloop.add_signal_handler(sig, shutdown.set)
+    for sig in STOP_SIGNALS:
+        aloop.add_signal_handler(sig, lambda s=sig: (received.append(s), shutdown.set()))
+    loading = asyncio.ensure_future(asyncio.to_thread(_load, config))
+    stopping = asyncio.ensure_future(shutdown.wait())
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not loading.done():  # a signal during loading or warm-up: the worker thread cannot be stopped
+        await server.stop(0)
+        stop_now(received[0], "loading and warm-up")
+    stopping.cancel()
     try:
-        model, tokenizer, engine = await asyncio.to_thread(_load, config)
+        model, tokenizer, engine = loading.result()
     except (OSError, ValueError) as e:
         print(f"error: cannot serve {config.model}: {e}", file=sys.stderr, flush=True)
         await server.stop(0)
