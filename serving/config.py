@@ -127,7 +127,8 @@ class ServingConfig:
         unknown = sorted(set(values) - names)
         if unknown:
             raise ValueError(f"{source}: unknown keys {unknown}; known: {sorted(names)}")
-        fixed = {k: tuple(v) if k in ("mesh", "bucket_tokens") and isinstance(v, list) else v for k, v in values.items()}
+        fixed = {k: tuple(v) if k in ("mesh", "bucket_tokens") and isinstance(v, list) else v
+                 for k, v in values.items()}
         try:
             return cls(**fixed)
         except ValueError as e:

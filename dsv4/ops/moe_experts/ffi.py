@@ -75,7 +75,8 @@ def moe_experts(x_TD: jax.Array, sel_TK: jax.Array, w_TK: jax.Array, w1: ExpertS
         out = (y, *(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in scratch))
         return jax.ffi.ffi_call(GROUPED_TARGET, out, vmap_method="sequential")(
             *args, *routing_plan(sel_TK, e, tile), limit=np.float32(limit), tile=np.int32(tile))[0]
-    if ffi_kernels.platform_of(jax.default_backend()) == "cuda":  # the per-token kernels' activations between their two GEMMs
+    if ffi_kernels.platform_of(jax.default_backend()) == "cuda":
+        # The per-token kernels' scratch: the activations between their two GEMMs.
         y, _ = jax.ffi.ffi_call(TARGET, (y, jax.ShapeDtypeStruct((t, k, f), jnp.float32)), vmap_method="sequential")(
             *args, limit=np.float32(limit))
         return y
