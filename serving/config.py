@@ -342,6 +342,14 @@ def _bytes_in_use(device) -> int:
     return int(stats.get("bytes_in_use", 0))
 
 
+def model_path(config: ServingConfig) -> str:
+    """The checkpoint directory config.model names: the demo model's (written into demo_dir on
+    first use) for "tiny"."""
+    from serving.demo_model import ensure_demo_checkpoint
+
+    return ensure_demo_checkpoint(config.demo_dir) if config.model == DEMO_MODEL else config.model
+
+
 def draft_to_load(config: ServingConfig, path: str) -> str:
     """The `draft` argument of `dsv4.load_pretrained`: config.speculation when the checkpoint
     has that head, else "none" with a warning (the server runs without speculation)."""
@@ -370,12 +378,11 @@ def load_model(config: ServingConfig):
     from checkpoints.orbax_io import is_converted
     from dsv4 import sharding as sh
     from dsv4.step import enable_compilation_cache
-    from serving.demo_model import ensure_demo_checkpoint
     from serving.tokenizer import load_tokenizer
 
     if config.compilation_cache:
         enable_compilation_cache(config.compilation_cache)
-    path = ensure_demo_checkpoint(config.demo_dir) if config.model == DEMO_MODEL else config.model
+    path = model_path(config)
     dtype = config.dtype
     if dtype == "auto":
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"

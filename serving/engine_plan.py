@@ -18,7 +18,6 @@ import numpy as np
 
 if TYPE_CHECKING:
     from dsv4.config import ModelConfig
-    from dsv4.memory import MemoryPlan
     from dsv4.state import StateGeometry
     from dsv4.step import Bucket
     from serving.config import ServingConfig
@@ -114,14 +113,6 @@ def sharded_param_bytes(params, deployment: str | None, mesh: tuple[int, ...]) -
     return ParamBytes(total, per_device, replicated)
 
 
-def _plan_memory(cfg: ModelConfig, config: ServingConfig, plan: EnginePlan, *, device_bytes: int,
-                 param_bytes: int) -> MemoryPlan:
-    from serving.config import plan_pages
-
-    return plan_pages(cfg, config, plan.template, shards=plan.data_shards, snapshots=plan.snapshots,
-                      device_bytes=device_bytes, bytes_in_use=param_bytes)
-
-
 def dry_run(config: ServingConfig, *, device_bytes: int | None) -> tuple[str, bool]:
     """(the report of `--dry-run`, whether it fits): the resolved config, the model, the
     parameter bytes per device of the mesh, the buckets and (with device_bytes, one device's
@@ -131,13 +122,11 @@ def dry_run(config: ServingConfig, *, device_bytes: int | None) -> tuple[str, bo
     import jax.numpy as jnp
     from flax import nnx
 
-    from checkpoints.loader import draft_kind
     from checkpoints.orbax_io import is_converted, read_manifest
     from dsv4.config import ModelConfig
-    from serving.config import DEMO_MODEL
-    from serving.demo_model import ensure_demo_checkpoint
+    from serving.config import draft_to_load, model_path, plan_pages
 
-    path = ensure_demo_checkpoint(config.demo_dir) if config.model == DEMO_MODEL else config.model
+    path = model_path(config)
     cfg = ModelConfig.from_hf_json(path)
     quantized = config.quantized
     if is_converted(path):
@@ -145,9 +134,9 @@ def dry_run(config: ServingConfig, *, device_bytes: int | None) -> tuple[str, bo
     dtype = np.dtype(jnp.bfloat16 if config.dtype in ("auto", "bfloat16") else jnp.float32)
     deployment, mesh = config.parallelism()
     weights = sharded_param_bytes(nnx.state(_abstract_module(cfg, quantized, dtype, draft=False)), deployment, mesh)
-    head = config.speculation if config.speculation != "none" and draft_kind(path) == config.speculation else None
+    head = draft_to_load(config, path)  # "none" when the checkpoint lacks the head asked for
     draft = block = None
-    if head is not None:
+    if head != "none":
         module = _abstract_module(cfg, quantized, dtype, draft=True)
         draft, block = sharded_param_bytes(nnx.state(module), deployment, mesh), module.block_size
     data_shards = dict(zip(_axis_names(deployment), mesh)).get("data", 1)
@@ -179,7 +168,8 @@ def dry_run(config: ServingConfig, *, device_bytes: int | None) -> tuple[str, bo
                      f"{plan.template.num_pages:,} pages, max_num_seqs full-length requests")
         return "\n".join(lines), True
     try:
-        memory = _plan_memory(cfg, config, plan, device_bytes=device_bytes, param_bytes=per_device)
+        memory = plan_pages(cfg, config, plan.template, shards=plan.data_shards, snapshots=plan.snapshots,
+                            device_bytes=device_bytes, bytes_in_use=per_device)
     except ValueError as e:
         lines.append(f"fits: NO, on a {device_bytes / GIB:.2f} GiB device: {e}")
         return "\n".join(lines), False
