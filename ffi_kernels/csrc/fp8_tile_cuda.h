@@ -9,7 +9,10 @@
 
 #include <cuda_runtime.h>
 
+#include <cute/arch/copy_sm80.hpp>
+
 #include "act_quant_cuda.h"
+#include "cuda_tiles.h"
 #include "fp8_mma_cuda.h"
 #include "op_args.h"
 
@@ -42,69 +45,119 @@ inline ffi::Error LaunchQuantizeRows(cudaStream_t stream, const void* src, Elem 
   return LastCudaError("QuantizeRowsKernel");
 }
 
-// The A fragment of the warp's rows (row0 + g, row0 + g + 8) of expert e, k32 step at k, with
-// each row's weight scale; rows past the stack's end are zero.
-__device__ __forceinline__ void LoadWeightFragment(const ExpertStackView& s, int64_t e, int64_t row0, int64_t k,
-                                                   uint32_t (&a)[4], float (&w_scale)[2]) {
-  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+// ---- the pipelined block mainloop
+//
+// A block streams the reduced dim in stages of kStageK: each stage's weight tiles (kStacks x
+// kTileRows rows, as stored) and the tile's activation rows (8 x kNb columns, e4m3) go to shared
+// memory by 16-byte cp.async, kStages - 1 stages ahead of the tensor cores. Shared rows are padded
+// so that a warp's fragment reads hit distinct banks (FP4: 20-word rows for 4-byte reads; e4m3:
+// 40-word rows for 8-byte reads, a half-warp's four rows eight banks apart).
+
+constexpr int kStageK = 128;  // = kActBlock: one activation scale per column and stage
+static_assert(kStageK == kActBlock, "a stage is one act_quant block");
+constexpr int kMaxStages = 3;
+
+DSV4_HD int WeightRowBytes(bool fp4) { return fp4 ? kStageK / 2 + 16 : kStageK + 32; }
+constexpr int kActRowBytes = kStageK + 32;
+
+template <int kStacks, int kNb>
+DSV4_HD int64_t StageBytes(bool fp4) {
+  return static_cast<int64_t>(kStacks) * kTileRows * WeightRowBytes(fp4) + 8 * kNb * kActRowBytes;
+}
+
+constexpr int64_t kStaticSharedAllowance = 4096;  // the kernels' own __shared__ arrays
+
+// The stages a block pipelines (2 or 3) within the shared memory a block may opt in to; 0 when
+// not even two fit.
+template <int kStacks, int kNb>
+inline int PipelineStages(bool fp4) {
+  const int64_t fit = (OptInSharedBytes() - kStaticSharedAllowance) / StageBytes<kStacks, kNb>(fp4);
+  return fit < 2 ? 0 : static_cast<int>(fit < kMaxStages ? fit : kMaxStages);
+}
+
+// Starts the copies of stage kb into buffer `stage`: the block's weight rows row0.. of expert e
+// of each stack, and the activation rows cols[0 .. 8 kNb) of bq (`in` bytes a row; -1: zeros).
+// Rows past a stack's end and k past `in` are zero-filled (in % 32 == 0: whole 16-byte chunks).
+template <int kStacks, int kNb>
+__device__ void LoadStage(const ExpertStackView (&stacks)[kStacks], int64_t e, int64_t row0, const uint8_t* bq,
+                          const int64_t* cols, int64_t kb, uint8_t* stage) {
+  const bool fp4 = stacks[0].fp4;
+  const int64_t in = stacks[0].in, row_bytes = fp4 ? in / 2 : in;  // stored bytes of a weight row
+  const int chunks = (fp4 ? kStageK / 2 : kStageK) / 16;             // 16-byte chunks of a row a stage
+  const int wrb = WeightRowBytes(fp4);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t row = row0 + g + 8 * h;
-    if (row >= s.out) {
-      a[h] = a[h + 2] = 0u;
-      w_scale[h] = 0.0f;
-      continue;
+  for (int m = 0; m < kStacks; ++m) {
+    const ExpertStackView& s = stacks[m];
+    uint8_t* tile = stage + m * kTileRows * wrb;
+    for (int c = threadIdx.x; c < kTileRows * chunks; c += kTileThreads) {
+      const int r = c / chunks, ch = c % chunks;
+      const int64_t row = row0 + r, byte = kb * (fp4 ? kStageK / 2 : kStageK) + 16 * ch;
+      const bool valid = row < s.out && byte < row_bytes;
+      const uint8_t* src = valid ? s.weight + (e * s.out + row) * row_bytes + byte : s.weight;
+      CopyAsync16OrZeros(static_cast<uint32_t>(__cvta_generic_to_shared(tile + r * wrb + 16 * ch)), src, valid);
     }
-    if (s.fp4) {  // 8 codes (4 bytes) of the row's 32-group at k
-      const uint32_t codes = *reinterpret_cast<const uint32_t*>(s.weight + (e * s.out + row) * (s.in / 2) + k / 2 + 4 * q);
-      a[h] = E2m1x4ToE4m3x4(codes & 0xffffu);
-      a[h + 2] = E2m1x4ToE4m3x4(codes >> 16);
-      w_scale[h] = E8m0ToFloat(s.scale[(e * s.out + row) * (s.in / kFp4Group) + k / kFp4Group]);
-    } else {  // 8 e4m3 values of one 128 x 128 block
-      const uint2 v = *reinterpret_cast<const uint2*>(s.weight + (e * s.out + row) * s.in + k + 8 * q);
-      a[h] = v.x;
-      a[h + 2] = v.y;
-      const int64_t in_blocks = (s.in + kWeightBlock - 1) / kWeightBlock;
-      w_scale[h] = E8m0ToFloat(
-          s.scale[(e * ((s.out + kWeightBlock - 1) / kWeightBlock) + row / kWeightBlock) * in_blocks + k / kWeightBlock]);
-    }
+  }
+  uint8_t* act = stage + kStacks * kTileRows * wrb;
+  for (int c = threadIdx.x; c < 8 * kNb * (kStageK / 16); c += kTileThreads) {
+    const int r = c / (kStageK / 16), ch = c % (kStageK / 16);
+    const int64_t byte = kb * kStageK + 16 * ch;
+    const bool valid = cols[r] >= 0 && byte < in;
+    const uint8_t* src = valid ? bq + cols[r] * in + byte : bq;
+    CopyAsync16OrZeros(static_cast<uint32_t>(__cvta_generic_to_shared(act + r * kActRowBytes + 16 * ch)), src, valid);
   }
 }
 
-// One warp's products over the whole reduced dim: for each of kStacks weight stacks, its 16 rows
-// from row0 x the tile's assignments (8 x kNb columns) against the quantised rows bq (e4m3, `in`
-// bytes a row) with their scales bs (ceil(in / 128) a row). b_row[nb]: the bq row of this lane's
-// column g of n-block nb; c_row[nb][c]: that of the lane's output column 2q + c (-1: none).
+// The weight scale of local row r (of the block's rows from row0) of stack s, expert e, at k.
+__device__ __forceinline__ float WeightScale(const ExpertStackView& s, int64_t e, int64_t row, int64_t k) {
+  if (row >= s.out) return 0.0f;
+  if (s.fp4) return E8m0ToFloat(s.scale[(e * s.out + row) * (s.in / kFp4Group) + k / kFp4Group]);
+  const int64_t in_blocks = (s.in + kWeightBlock - 1) / kWeightBlock;
+  return E8m0ToFloat(
+      s.scale[(e * ((s.out + kWeightBlock - 1) / kWeightBlock) + row / kWeightBlock) * in_blocks + k / kWeightBlock]);
+}
+
+// The tensor-core products of the stage in `stage` (reduced-dim block kb) into this warp's
+// accumulators: its 16 rows (warp * 16 + g, + 8) of each stack x the 8 kNb columns, each k32
+// step's product scaled by its weight scale and the column's activation scale (x_scale).
 template <int kStacks, int kNb>
-__device__ void WarpTileProducts(const ExpertStackView (&stacks)[kStacks], int64_t e, int64_t row0,
-                                 const uint8_t* bq, const float* bs, const int64_t (&b_row)[kNb],
-                                 const int64_t (&c_row)[kNb][2], float (&acc)[kStacks][kNb][4]) {
-  const int q = threadIdx.x % 4;
-  const int64_t in = stacks[0].in, in_blocks = (in + kActBlock - 1) / kActBlock;
+__device__ void StageProducts(const ExpertStackView (&stacks)[kStacks], int64_t e, int64_t row0, int64_t kb,
+                              const uint8_t* stage, const float (&x_scale)[kNb][2],
+                              float (&acc)[kStacks][kNb][4]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const bool fp4 = stacks[0].fp4;
+  const int wrb = WeightRowBytes(fp4);
+  const uint8_t* act = stage + kStacks * kTileRows * wrb;
+  const int local = kRowsPerWarp * warp + g;
 #pragma unroll
-  for (int m = 0; m < kStacks; ++m)
-#pragma unroll
-    for (int nb = 0; nb < kNb; ++nb)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[m][nb][i] = 0.0f;
-#pragma unroll 4
-  for (int64_t k = 0; k < in; k += 32) {
+  for (int j = 0; j < kStageK / 32; ++j) {
+    const int64_t k = kb * kStageK + 32 * j;
+    if (k >= stacks[0].in) break;
     uint32_t b[kNb][2];
-    float x_scale[kNb][2];
 #pragma unroll
     for (int nb = 0; nb < kNb; ++nb) {
-      uint2 v = make_uint2(0u, 0u);
-      if (b_row[nb] >= 0) v = *reinterpret_cast<const uint2*>(bq + b_row[nb] * in + k + 8 * q);
+      const uint2 v = *reinterpret_cast<const uint2*>(act + (8 * nb + g) * kActRowBytes + 32 * j + 8 * q);
       b[nb][0] = v.x;
       b[nb][1] = v.y;
-#pragma unroll
-      for (int c = 0; c < 2; ++c) x_scale[nb][c] = c_row[nb][c] >= 0 ? bs[c_row[nb][c] * in_blocks + k / kActBlock] : 0.0f;
     }
 #pragma unroll
     for (int m = 0; m < kStacks; ++m) {
+      const uint8_t* tile = stage + m * kTileRows * wrb;
       uint32_t a[4];
       float w_scale[2];
-      LoadWeightFragment(stacks[m], e, row0, k, a, w_scale);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* row = tile + (local + 8 * h) * wrb;
+        if (fp4) {  // codes 8q..8q+7 of the k32 group
+          const uint32_t codes = *reinterpret_cast<const uint32_t*>(row + 16 * j + 4 * q);
+          a[h] = E2m1x4ToE4m3x4(codes & 0xffffu);
+          a[h + 2] = E2m1x4ToE4m3x4(codes >> 16);
+        } else {
+          const uint2 v = *reinterpret_cast<const uint2*>(row + 32 * j + 8 * q);
+          a[h] = v.x;
+          a[h + 2] = v.y;
+        }
+        w_scale[h] = WeightScale(stacks[m], e, row0 + local + 8 * h, k);
+      }
 #pragma unroll
       for (int nb = 0; nb < kNb; ++nb) {
         float d[4];
@@ -114,6 +167,61 @@ __device__ void WarpTileProducts(const ExpertStackView (&stacks)[kStacks], int64
       }
     }
   }
+}
+
+// The block's products over the whole reduced dim (stacks' `in`, a multiple of 32): warp w's
+// accumulators hold rows row0 + 16 w + g (+ 8) of each stack x the columns cols[0 .. 8 kNb)
+// (rows of bq, e4m3, and of their scales bs, ceil(in / 128) a row; -1: none, zero). cols is in
+// shared memory, written before the call; `shared` holds `stages` x StageBytes bytes.
+template <int kStacks, int kNb>
+__device__ void BlockTileProducts(const ExpertStackView (&stacks)[kStacks], int64_t e, int64_t row0,
+                                  const uint8_t* bq, const float* bs, const int64_t* cols, uint8_t* shared,
+                                  int stages, float (&acc)[kStacks][kNb][4]) {
+  const int q = threadIdx.x % 4;
+  const int64_t in = stacks[0].in, k_blocks = (in + kStageK - 1) / kStageK;
+  const int64_t stage_bytes = StageBytes<kStacks, kNb>(stacks[0].fp4);
+#pragma unroll
+  for (int m = 0; m < kStacks; ++m)
+#pragma unroll
+    for (int nb = 0; nb < kNb; ++nb)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[m][nb][i] = 0.0f;
+  for (int s = 0; s < stages - 1; ++s) {  // the prologue: stages 0 .. stages - 2 in flight
+    if (s < k_blocks) LoadStage<kStacks, kNb>(stacks, e, row0, bq, cols, s, shared + s * stage_bytes);
+    cute::cp_async_fence();
+  }
+  for (int64_t kb = 0; kb < k_blocks; ++kb) {
+    // Every copy but the newest stages - 2 groups has landed: stage kb is in; every warp is past
+    // stage kb - 1, whose buffer the next load reuses.
+    if (stages == 3) cute::cp_async_wait<1>(); else cute::cp_async_wait<0>();
+    __syncthreads();
+    const int64_t next = kb + stages - 1;
+    if (next < k_blocks) LoadStage<kStacks, kNb>(stacks, e, row0, bq, cols, next, shared + (next % stages) * stage_bytes);
+    cute::cp_async_fence();
+    float x_scale[kNb][2];
+#pragma unroll
+    for (int nb = 0; nb < kNb; ++nb)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int64_t col = cols[8 * nb + 2 * q + c];
+        x_scale[nb][c] = col >= 0 ? bs[col * k_blocks + kb] : 0.0f;
+      }
+    StageProducts<kStacks, kNb>(stacks, e, row0, kb, shared + (kb % stages) * stage_bytes, x_scale, acc);
+  }
+  cute::cp_async_wait<0>();
+}
+
+// A pipelined kernel's launch: its dynamic shared memory opted in to on the current device
+// (asked at every launch: a process may drive several GPUs).
+template <typename Kernel, typename... Args>
+ffi::Error LaunchPipelined(Kernel kernel, const char* name, dim3 grid, int64_t shared_bytes, cudaStream_t stream,
+                           Args... args) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)) !=
+      cudaSuccess) {
+    return LastCudaError(name);
+  }
+  kernel<<<grid, kTileThreads, shared_bytes, stream>>>(args...);
+  return LastCudaError(name);
 }
 
 }  // namespace

@@ -195,45 +195,36 @@ __device__ bool FindTile(const int32_t* groups, int64_t experts, int64_t tile_to
   return true;
 }
 
-// The tile's columns as this lane sees them: b_row (column g of each n-block) and c_row (columns
-// 2q, 2q + 1), as assignment ids (order[...]), -1 past the tile's count.
+// The tile's assignments (order[...], -1 past its count) into assigns[0 .. 8 kNb), and the
+// activation rows the products read into cols: tokens (assignment / K) or the assignments.
 template <int kNb>
-__device__ void TileColumns(const int32_t* order, const Tile& tile, int64_t (&b_assign)[kNb],
-                            int64_t (&c_assign)[kNb][2]) {
-  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-#pragma unroll
-  for (int nb = 0; nb < kNb; ++nb) {
-    const int64_t col = 8 * nb + g;
-    b_assign[nb] = col < tile.count ? order[tile.first + col] : -1;
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int64_t cc = 8 * nb + 2 * q + c;
-      c_assign[nb][c] = cc < tile.count ? order[tile.first + cc] : -1;
-    }
+__device__ void TileColumns(const int32_t* order, const Tile& tile, int64_t k, bool tokens, int64_t* assigns,
+                            int64_t* cols) {
+  const int c = threadIdx.x;
+  if (c < 8 * kNb) {
+    const int64_t assign = c < tile.count ? order[tile.first + c] : -1;
+    assigns[c] = assign;
+    cols[c] = assign < 0 ? -1 : tokens ? assign / k : assign;
   }
+  __syncthreads();
 }
 
 template <int kNb>
 __global__ void __launch_bounds__(kTileThreads) GroupedGateUpKernel(MoeArgs a, const uint8_t* xq, const float* xs,
-                                                                       const int32_t* order, const int32_t* groups,
-                                                                       const float* route_w, float limit, uint8_t* aq,
-                                                                       float* as) {
+                                                                    const int32_t* order, const int32_t* groups,
+                                                                    const float* route_w, float limit, int stages,
+                                                                    uint8_t* aq, float* as) {
+  extern __shared__ __align__(16) uint8_t shared[];
   __shared__ float block_amax[kTileWarps][8 * kNb];
+  __shared__ int64_t assigns[8 * kNb], cols[8 * kNb];
   Tile tile;
   if (!FindTile(groups, a.e, 8 * kNb, blockIdx.x, &tile)) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  const int64_t f_block = blockIdx.y, row0 = f_block * kTileRows + kRowsPerWarp * warp;
-  int64_t b_assign[kNb], c_assign[kNb][2], b_token[kNb], c_token[kNb][2];
-  TileColumns<kNb>(order, tile, b_assign, c_assign);
-#pragma unroll
-  for (int nb = 0; nb < kNb; ++nb) {  // x rows are tokens: assignment / K
-    b_token[nb] = b_assign[nb] >= 0 ? b_assign[nb] / a.k : -1;
-#pragma unroll
-    for (int c = 0; c < 2; ++c) c_token[nb][c] = c_assign[nb][c] >= 0 ? c_assign[nb][c] / a.k : -1;
-  }
+  const int64_t f_block = blockIdx.y, block_row0 = f_block * kTileRows, row0 = block_row0 + kRowsPerWarp * warp;
+  TileColumns<kNb>(order, tile, a.k, true, assigns, cols);
   float acc[2][kNb][4];
   const ExpertStackView stacks[2] = {a.w1, a.w3};
-  WarpTileProducts<2, kNb>(stacks, tile.expert, row0, xq, xs, b_token, c_token, acc);
+  BlockTileProducts<2, kNb>(stacks, tile.expert, block_row0, xq, xs, cols, shared, stages, acc);
 
   // The activations, in x's dtype, then the amax of each column over the block's 128 rows.
   float act[kNb][4], amax[kNb][2];
@@ -242,7 +233,7 @@ __global__ void __launch_bounds__(kTileThreads) GroupedGateUpKernel(MoeArgs a, c
     amax[nb][0] = amax[nb][1] = 0.0f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int64_t row = row0 + g + 8 * (i / 2), assign = c_assign[nb][i % 2];
+      const int64_t row = row0 + g + 8 * (i / 2), assign = assigns[8 * nb + 2 * q + i % 2];
       float v = 0.0f;
       if (row < a.f && assign >= 0) {
         const float gc = fminf(acc[0][nb][i], limit);
@@ -264,7 +255,7 @@ __global__ void __launch_bounds__(kTileThreads) GroupedGateUpKernel(MoeArgs a, c
   for (int nb = 0; nb < kNb; ++nb) {
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      const int64_t assign = c_assign[nb][c];
+      const int64_t assign = assigns[8 * nb + 2 * q + c];
       if (assign < 0) continue;
       float m = 0.0f;
 #pragma unroll
@@ -282,23 +273,23 @@ __global__ void __launch_bounds__(kTileThreads) GroupedGateUpKernel(MoeArgs a, c
 
 template <int kNb>
 __global__ void __launch_bounds__(kTileThreads) GroupedDownKernel(MoeArgs a, const uint8_t* aq, const float* as,
-                                                                     const int32_t* order, const int32_t* groups,
-                                                                     float* part) {
+                                                                  const int32_t* order, const int32_t* groups,
+                                                                  int stages, float* part) {
+  extern __shared__ __align__(16) uint8_t shared[];
+  __shared__ int64_t assigns[8 * kNb], cols[8 * kNb];
   Tile tile;
   if (!FindTile(groups, a.e, 8 * kNb, blockIdx.x, &tile)) return;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTileRows + kRowsPerWarp * warp;
-  if (row0 >= a.d) return;
-  int64_t b_assign[kNb], c_assign[kNb][2];
-  TileColumns<kNb>(order, tile, b_assign, c_assign);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int64_t block_row0 = static_cast<int64_t>(blockIdx.y) * kTileRows, row0 = block_row0 + kRowsPerWarp * warp;
+  TileColumns<kNb>(order, tile, a.k, false, assigns, cols);
   float acc[1][kNb][4];
   const ExpertStackView stacks[1] = {a.w2};
-  WarpTileProducts<1, kNb>(stacks, tile.expert, row0, aq, as, b_assign, c_assign, acc);
+  BlockTileProducts<1, kNb>(stacks, tile.expert, block_row0, aq, as, cols, shared, stages, acc);
 #pragma unroll
   for (int nb = 0; nb < kNb; ++nb) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int64_t row = row0 + g + 8 * (i / 2), assign = c_assign[nb][i % 2];
+      const int64_t row = row0 + g + 8 * (i / 2), assign = assigns[8 * nb + 2 * q + i % 2];
       if (row < a.d && assign >= 0) part[assign * a.d + row] = acc[0][nb][i];
     }
   }
@@ -320,12 +311,19 @@ template <int kNb>
 ffi::Error LaunchGrouped(cudaStream_t stream, const MoeArgs& a, int64_t max_tiles, const uint8_t* xq, const float* xs,
                          const int32_t* order, const int32_t* groups, const float* route_w, float limit, uint8_t* aq,
                          float* as, float* part) {
+  const bool fp4 = a.w1.fp4;
+  const int gate_stages = PipelineStages<2, kNb>(fp4), down_stages = PipelineStages<1, kNb>(fp4);
+  if (gate_stages == 0 || down_stages == 0) return Invalid("moe_experts: the device has too little shared memory");
   const dim3 gate_grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((a.f + kTileRows - 1) / kTileRows));
-  GroupedGateUpKernel<kNb><<<gate_grid, kTileThreads, 0, stream>>>(a, xq, xs, order, groups, route_w, limit, aq, as);
-  if (auto e = LastCudaError("GroupedGateUpKernel"); e.failure()) return e;
+  if (auto e = LaunchPipelined(GroupedGateUpKernel<kNb>, "GroupedGateUpKernel", gate_grid,
+                               gate_stages * StageBytes<2, kNb>(fp4), stream, a, xq, xs, order, groups, route_w, limit,
+                               gate_stages, aq, as);
+      e.failure()) {
+    return e;
+  }
   const dim3 down_grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((a.d + kTileRows - 1) / kTileRows));
-  GroupedDownKernel<kNb><<<down_grid, kTileThreads, 0, stream>>>(a, aq, as, order, groups, part);
-  return LastCudaError("GroupedDownKernel");
+  return LaunchPipelined(GroupedDownKernel<kNb>, "GroupedDownKernel", down_grid, down_stages * StageBytes<1, kNb>(fp4),
+                         stream, a, aq, as, order, groups, down_stages, part);
 }
 
 ffi::Error MoeExpertsGroupedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sel,
