@@ -18,6 +18,7 @@ from dsv4.spec_decode import SpecRunner
 from dsv4.state import StateGeometry, default_page_tokens
 from dsv4.step import StepRunner, make_buckets
 from serving.engine import Engine, EngineLimits, EngineRequest, FinishReason, SamplingParams
+from tests.devices import require_devices
 from tests.test_spec_decode import PROMPTS, SPEC
 
 K = SPEC.dspark_block_size
@@ -107,11 +108,12 @@ def test_speculation_on_a_mesh_is_plain_greedy_and_samples_as_one_device(parts, 
     gives on one device."""
     from dsv4 import sharding as sh
 
+    require_devices(math.prod(sizes))
     model, _, _, path = parts
     dep = sh.Deployment(deployment)
     placement = sh.Placement(sh.make_mesh(dep, sizes), dep)
     sharded = dsv4.load_pretrained(path, dtype="float32", placement=placement, draft="dspark")
-    runner, spec = spec_runner(sharded, sharded.draft_head, slots=4, budget=32, token_sizes=[8, 32])
+    runner, spec = spec_runner(sharded, sharded.draft_head, slots=4, budget=32, token_sizes=[32])  # one token size: fewer programs
     shards = placement.mesh_shape.get("data", 1)
     want = model.generate(PROMPTS, 14, max_num_seqs=3, max_num_batched_tokens=32)
     greedy = [EngineRequest(str(i), tuple(p), SamplingParams(max_tokens=14, ignore_eos=True))

@@ -17,6 +17,7 @@ import ffi_kernels
 from dsv4 import quant
 from dsv4.ops.indexer_topk import ffi as indexer_ffi, reference as indexer_ref
 from dsv4.ops.kv_write import ffi as kv_write_ffi, reference as kv_write_ref
+from dsv4.ops.ffi_tables import kernel_built
 from dsv4.ops.registry import Backend, ops_for
 from dsv4.ops.sparse_attention import ffi as attn_ffi, reference as attn_ref
 from dsv4.state import EntryFormat, EntryTable
@@ -675,8 +676,12 @@ def test_fp8_linear_quantises_its_input_and_refuses_bad_shapes():
     got = jax.jit(fp8_ffi.fp8_linear, static_argnums=3)(x, w, ws, jnp.float32)
     exact = x @ quant.dequant_fp8_block(w, ws, jnp.float32).T  # no activation quantisation
     assert not np.allclose(np.asarray(got), np.asarray(exact), rtol=1e-5, atol=0)
-    with pytest.raises(Exception, match="weight must be"):
-        jax.jit(fp8_ffi.fp8_linear, static_argnums=3)(x[:, :64], w, ws, jnp.float32).block_until_ready()
+    with pytest.raises(ValueError, match="weight must be"):
+        jax.jit(fp8_ffi.fp8_linear, static_argnums=3)(x[:, :64], w, ws, jnp.float32)
+    if kernel_built(fp8_ffi.TARGET):  # the kernel checks its operands too
+        call = jax.ffi.ffi_call(fp8_ffi.TARGET, jax.ShapeDtypeStruct((4, 16), jnp.float32), vmap_method="sequential")
+        with pytest.raises(Exception, match="weight must be"):
+            jax.jit(call)(x[:, :64], w, ws).block_until_ready()
 
 
 # ---------------------------------------------------------------- moe_experts

@@ -34,7 +34,9 @@ def test_processes_run_process_zeros_plan_even_when_one_diverges(tmp_path):
     ckpt = tmp_path / "ckpt"
     write_tiny_checkpoint(TINY.replace(num_attention_heads=8, o_groups=4, index_n_heads=8), ckpt, seed=2)
     port = _free_port()
-    env = child_env()
+    # Two processes on the CPU backend whatever the machine has: on a one-GPU machine both
+    # would take the same GPU, which NCCL refuses.
+    env = child_env(JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     procs = [subprocess.Popen([sys.executable, "-m", "tests.multihost_worker", str(i), str(port), str(ckpt),
                                str(tmp_path / f"out{i}.json")] + (["--diverge"] if i == 1 else []),

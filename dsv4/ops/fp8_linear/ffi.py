@@ -14,8 +14,11 @@ TARGET = "dsv4_fp8_linear"
 
 
 def fp8_linear(x: jax.Array, weight_NK: jax.Array, scale: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
-    """As `reference.fp8_linear`."""
+    """As `reference.fp8_linear`; a weight that does not fit x is refused here, with one message
+    whichever implementation would run."""
     check_platform()
+    if weight_NK.ndim != 2 or weight_NK.shape[1] != x.shape[-1]:
+        raise ValueError(f"fp8_linear: weight must be [N, K] with x's K = {x.shape[-1]}, got {weight_NK.shape}")
     if not kernel_built(TARGET):
         return reference.fp8_linear(x, weight_NK, scale, out_dtype)
     out = jax.ShapeDtypeStruct((*x.shape[:-1], weight_NK.shape[0]), jnp.dtype(out_dtype))
