@@ -153,7 +153,7 @@ class Model:
 
 def load_pretrained(path: str | os.PathLike, *, dtype: str | Any | None = None, backend: str | Backend = "reference",
                     quantized: bool | None = None, fake_quant: bool | None = None,
-                    placement: Placement | None = None, draft: str = "none") -> Model:
+                    placement: Placement | None = None, draft: str = "none", allow_nonfinite: bool = False) -> Model:
     """Load a DeepSeek-V4 checkpoint directory for inference: the official safetensors format
     (streamed tensor by tensor), or a directory written by `python -m checkpoints.convert`
     (Orbax, restored directly; its dtype and quantization were fixed at conversion).
@@ -173,6 +173,8 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | Any | None = None, 
         stages, or the preview's classic MTP layer) as `Model.draft_head`, for speculative
         decoding (`dsv4.spec_decode`); CheckpointError when the checkpoint holds another or
         none (`checkpoints.loader.draft_kind` tells beforehand). "none": the target only.
+    allow_nonfinite: load weights that hold NaN or infinities; by default such a checkpoint is
+        refused (CheckpointError naming the tensors): it would generate garbage silently.
     """
     if draft not in ("none", "dspark", "mtp"):
         raise ValueError(f"draft must be 'none', 'dspark' or 'mtp', got {draft!r}")
@@ -203,14 +205,30 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | Any | None = None, 
                                            sharding=sharding)
         summary = (f"restored {path} (converted: dtype {manifest['dtype']}, quantized={manifest['quantized']}, "
                    f"draft head {manifest['draft']})")
-        return Model(module, backend, summary, placement, draft_head=head)
-    overrides = {} if fake_quant is None else {"fake_quant": fake_quant}
-    module, report = load_checkpoint(path, dtype=dtype, quantized=bool(quantized), config_overrides=overrides,
-                                     sharding=sharding)
-    head = None
-    if draft != "none":
-        if module.cfg.draft_kind != draft:
-            raise CheckpointError(f"{path}: asked for a {draft} draft head, the config describes "
-                                  f"{module.cfg.draft_kind!r}")
-        head = load_draft(path, dtype=dtype, quantized=bool(quantized), config_overrides=overrides, sharding=sharding)
-    return Model(module, backend, report.summary(), placement, draft_head=head)
+    else:
+        overrides = {} if fake_quant is None else {"fake_quant": fake_quant}
+        module, report = load_checkpoint(path, dtype=dtype, quantized=bool(quantized), config_overrides=overrides,
+                                         sharding=sharding)
+        head = None
+        if draft != "none":
+            if module.cfg.draft_kind != draft:
+                raise CheckpointError(f"{path}: asked for a {draft} draft head, the config describes "
+                                      f"{module.cfg.draft_kind!r}")
+            head = load_draft(path, dtype=dtype, quantized=bool(quantized), config_overrides=overrides,
+                              sharding=sharding)
+        summary = report.summary()
+    if not allow_nonfinite:
+        _refuse_nonfinite(path, module, head)
+    return Model(module, backend, summary, placement, draft_head=head)
+
+
+def _refuse_nonfinite(path: str | os.PathLike, module: nnx.Module, head: nnx.Module | None) -> None:
+    """CheckpointError naming every parameter (tower, then draft head) with a NaN or an Inf."""
+    from checkpoints.finite import nonfinite_parameters
+    from checkpoints.loader import CheckpointError
+
+    bad = nonfinite_parameters(module) + (["draft " + n for n in nonfinite_parameters(head)] if head else [])
+    if bad:
+        shown = ", ".join(bad[:20]) + (f" and {len(bad) - 20} more" if len(bad) > 20 else "")
+        raise CheckpointError(f"{path}: {len(bad)} parameter(s) hold NaN or infinite values: {shown}. Loading "
+                              "them anyway (allow_nonfinite=True, --allow-nonfinite) generates garbage.")

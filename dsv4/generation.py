@@ -18,6 +18,7 @@ import numpy as np
 
 from dsv4.batch import Chunk
 from dsv4.config import ModelConfig
+from dsv4.sampling import NONFINITE_TOKEN, NonFiniteLogitsError
 from dsv4.step import StepRunner
 
 
@@ -109,6 +110,9 @@ class Generator:
                 if chunk.outputs:
                     tok = int(out.tokens[o])
                     o += 1
+                    if tok == NONFINITE_TOKEN:
+                        raise NonFiniteLogitsError(f"prompt {req.index}: the model's logits are NaN or infinite at "
+                                                   f"generated token {len(req.generated)}")
                     req.generated.append(tok)
                     if len(req.generated) >= req.max_new or tok in stops:
                         req.finished = True

@@ -12,6 +12,10 @@ with every filter off the result is bit-identical to plain Gumbel-max on logits 
 
 `logprobs` reports log-probabilities of the RAW model distribution (before temperature and
 filters), like vLLM's default `logprobs_mode="raw_logprobs"`.
+
+A row whose logits cannot be sampled (a NaN, a +Inf, or nothing above -Inf: NaN weights or an
+overflow) samples NONFINITE_TOKEN instead of a silent argmax of garbage; the serving engine
+ends such a request with finish reason "error", and `Model.generate` raises.
 """
 
 from __future__ import annotations
@@ -20,6 +24,20 @@ import enum
 
 import jax
 import jax.numpy as jnp
+
+
+NONFINITE_TOKEN = -2  # what a row with unusable logits samples (never a vocabulary id; -1 pads)
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """The model produced NaN or infinite logits for a request (`NONFINITE_TOKEN`)."""
+
+
+def usable_rows(logits_OV: jax.Array) -> jax.Array:
+    """[O] bool: rows that can be sampled: no NaN, no +Inf, and some entry above -Inf (entries
+    masked to -Inf are fine)."""
+    bad = jnp.isnan(logits_OV) | (logits_OV == jnp.inf)
+    return ~jnp.any(bad, axis=-1) & jnp.any(logits_OV > -jnp.inf, axis=-1)
 
 
 class Stream(enum.IntEnum):
@@ -83,7 +101,8 @@ def _draw(logits_OV, scaled_OV, keep_OV, temperature_O, seed_O, position_O, stre
     keys = jax.vmap(row_key, in_axes=(0, 0, None))(seed_O, position_O, stream)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits_OV.shape[-1:], jnp.float32))(keys)
     drawn = jnp.argmax(jnp.where(keep_OV, scaled_OV + gumbel, -jnp.inf), axis=-1)
-    return jnp.where(temperature_O > 0, drawn, greedy).astype(jnp.int32)
+    token = jnp.where(temperature_O > 0, drawn, greedy)
+    return jnp.where(usable_rows(logits_OV), token, NONFINITE_TOKEN).astype(jnp.int32)
 
 
 def _distribution(logits_OV, scaled_OV, keep_OV, temperature_O) -> jax.Array:

@@ -45,6 +45,7 @@ from dsv4.batch import Chunk, pack_batch
 from dsv4.layers.dspark import RING, DSparkHead
 from dsv4.layers.mtp import MTPHead
 from dsv4.ops.registry import OpSet
+from dsv4.sampling import NONFINITE_TOKEN, NonFiniteLogitsError
 from dsv4.speculative import propose, verify
 from dsv4.step import StepRunner, temp_bytes
 
@@ -103,6 +104,13 @@ class _Request:
     generated: list[int] = dataclasses.field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
+
+    def take(self, tokens: list[int]) -> None:
+        """Append sampled tokens; NonFiniteLogitsError at the marker of unusable logits."""
+        if NONFINITE_TOKEN in tokens:
+            raise NonFiniteLogitsError(f"prompt {self.index}: the model's logits are NaN or infinite at generated "
+                                       f"token {len(self.generated) + tokens.index(NONFINITE_TOKEN)}")
+        self.generated += tokens
 
     @property
     def committed(self) -> int:
@@ -199,13 +207,13 @@ class SpeculativeGenerator:
             a = int(accepted[i])
             r.drafted += lengths[i]
             r.accepted += a
-            r.generated += tokens[i, :a + 1].tolist()
+            r.take(tokens[i, :a + 1].tolist())
 
     def _prefill_fused(self, r: _Request, draft: DraftState, temperature: float) -> DraftState:
         for chunk, last in self._prefill_chunks(r, temperature):
             out = self.spec_runner.run([chunk], [0 if last else -1])
             if last:
-                r.generated.append(int(out.tokens[0, 0]))
+                r.take([int(out.tokens[0, 0])])
         return draft
 
     def _prefill_chunks(self, r: _Request, temperature: float):
@@ -236,7 +244,7 @@ class SpeculativeGenerator:
                 taps = list(chunk.taps)
                 draft = self._commit_rows(draft, out.taps[:len(taps)], [chunk.start + i for i in taps], r.slot)
             if last:
-                r.generated.append(int(out.tokens[0]))
+                r.take([int(out.tokens[0])])
         return draft
 
     def _commit_rows(self, draft: DraftState, taps: np.ndarray, positions: list[int], slot: int) -> DraftState:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv4.layers.mtp import MTPHead
-from dsv4.sampling import Stream, row_key, sample_and_probabilities
+from dsv4.sampling import NONFINITE_TOKEN, Stream, row_key, sample_and_probabilities, usable_rows
 
 
 @jax.tree_util.register_dataclass
@@ -60,6 +60,7 @@ def verify(target_logits_RJV: jax.Array, draft_tokens_RK: jax.Array, draft_probs
     how many drafts each request verifies (0..K; entries past it are ignored, so uneven
     lengths and padding rows are fine). position_R [R]: the position of d_0 (the anchor's
     successor); token j of the row sits at position_R + j.
+    Target rows with NaN / Inf logits accept no draft and emit `NONFINITE_TOKEN` (dsv4.sampling).
     """
     r, j1, v = target_logits_RJV.shape
     k = j1 - 1
@@ -80,7 +81,8 @@ def verify(target_logits_RJV: jax.Array, draft_tokens_RK: jax.Array, draft_probs
     u = jax.vmap(jax.vmap(lambda s, pos: jax.random.uniform(row_key(s, pos, Stream.ACCEPT), (), jnp.float32),
                           in_axes=(None, 0)))(seed_R, positions[:, :k])
     hot = (temperature_R > 0)[:, None]
-    ok = jnp.where(hot, u * q_d < p_d, drafts == plain[:, :k])
+    usable = usable_rows(flat_logits).reshape(r, j1)  # no draft is accepted against NaN / Inf logits
+    ok = jnp.where(hot, u * q_d < p_d, drafts == plain[:, :k]) & usable[:, :k]
     ok &= jnp.arange(k)[None, :] < num_drafts_R[:, None]
     accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)  # [R]
 
@@ -96,7 +98,10 @@ def verify(target_logits_RJV: jax.Array, draft_tokens_RK: jax.Array, draft_probs
     pos_at = jnp.take_along_axis(positions, at, axis=1)[:, 0]
     recovered = jax.vmap(lambda pr, s, pos: _draw(pr, row_key(s, pos, Stream.RECOVERY)))(residual, seed_R, pos_at)
     plain_at = jnp.take_along_axis(plain, at, axis=1)[:, 0]
-    emitted = jnp.where(rejected & (temperature_R > 0), recovered, plain_at).astype(jnp.int32)
+    emitted = jnp.where(rejected & (temperature_R > 0), recovered, plain_at)
+    # Unusable target logits at `at`: no token, the marker.
+    usable_at = jnp.take_along_axis(usable, at, axis=1)[:, 0]
+    emitted = jnp.where(usable_at, emitted, NONFINITE_TOKEN).astype(jnp.int32)
 
     idx = jnp.arange(j1)[None, :]
     padded = jnp.concatenate([drafts, jnp.zeros((r, 1), jnp.int32)], axis=1)

@@ -41,6 +41,7 @@ class ServingConfig:
     # decode them to dtype at load (off: FLASH's 156 GB become ~569 GB in bf16). A converted
     # directory holds what its conversion chose; off does not apply to a quantized one.
     quantized: bool = True
+    allow_nonfinite: bool = False  # load weights holding NaN / Inf (refused by default: they generate garbage)
     deployment: str | None = None  # tp | tp_ep | dp_tp (dsv4.sharding.Deployment); None: one device
     mesh: tuple[int, ...] = ()  # axis sizes in the deployment's MESH_AXES order
     # The same, spelled as vLLM does: N-way tensor parallel (deployment tp, mesh N), with M-way
@@ -213,7 +214,9 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
         kind = _FLAG_TYPES.get(f.name) or (_bool if isinstance(default, bool) else
                                            type(default) if default is not None and not isinstance(default, str)
                                            else (int if f.name == "max_req_tokens" else str))
-        parser.add_argument(flag, dest=f.name, type=kind, default=None, help=f"(default: {default})")
+        # A yes/no field's flag alone means yes (--allow-nonfinite); "--quantized off" says no.
+        on_alone = {"nargs": "?", "const": True} if kind is _bool else {}
+        parser.add_argument(flag, dest=f.name, type=kind, default=None, help=f"(default: {default})", **on_alone)
 
 
 def config_from_args(args: argparse.Namespace) -> ServingConfig:
@@ -394,7 +397,8 @@ def load_model(config: ServingConfig):
     # A converted directory's storage was fixed at conversion: "on" (keep what is stored) accepts it.
     quantized = None if config.quantized and is_converted(path) else config.quantized
     model = dsv4.load_pretrained(path, dtype=dtype, backend=config.backend, placement=placement,
-                                 draft=draft_to_load(config, path), quantized=quantized)
+                                 draft=draft_to_load(config, path), quantized=quantized,
+                                 allow_nonfinite=config.allow_nonfinite)
     cfg = model.config
     tokenizer = load_tokenizer(path, vocab_size=cfg.vocab_size, bos_token_id=cfg.bos_token_id,
                                eos_token_id=cfg.eos_token_id)

@@ -48,6 +48,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from dsv4.batch import Bucket, Chunk
+from dsv4.sampling import NONFINITE_TOKEN
 from dsv4.state import StateGeometry
 from serving.capacity import CapacityTelemetry, CapacityVerifier
 from serving.prefix_cache import BlockManager
@@ -57,6 +58,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # a stop token, EOS or (set by the text layer) a stop string
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # cancelled by the client or the server
+    ERROR = "error"  # the model's logits were NaN or infinite (dsv4.sampling.NONFINITE_TOKEN)
 
 
 class QueueFullError(RuntimeError):
@@ -466,6 +468,11 @@ class Engine:
             if not live.pending or not (live in self._running or live in self._waiting):
                 continue  # cancelled, or its wasted token after a stop
             live.pending -= 1
+            if token == NONFINITE_TOKEN:
+                (self._running if live in self._running else self._waiting).remove(live)
+                self._release(live)
+                outputs.append(self._final(live, [], None, FinishReason.ERROR))
+                continue
             live.tokens.append(token)
             self._generated += 1
             if live.first_token_at is None:
@@ -717,6 +724,9 @@ class Engine:
             new: list[int] = []
             reason = None
             for token in result.tokens[i, :a + 1].tolist():
+                if token == NONFINITE_TOKEN:
+                    reason = FinishReason.ERROR
+                    break
                 live.tokens.append(token)
                 new.append(token)
                 self._generated += 1

@@ -18,19 +18,22 @@ derive_seed(--seed, crc32 of its JSON id) when --seed is given, else with a draw
 seed used is in its usage either way, so any line can be reproduced alone.
 
 Output: one JSON line per request, written and flushed the moment it finishes:
-{"id", "text", "token_ids", "finish_reason" (stop | length | abort), "usage": {
+{"id", "text", "token_ids", "finish_reason" (stop | length | abort | error: the model's
+logits were NaN or infinite, counted as failed), "usage": {
 prompt_tokens, completion_tokens, cached_prompt_tokens, draft_tokens,
 accepted_draft_tokens, seed, timings: {queue_s, first_token_s, total_s}}}, plus "logprobs"
 ([{"token_id", "logprob", "top": [[id, logprob], ...]}]) when asked. A stop string ends the
 text before it (finish_reason "stop"); token_ids keep the token that completed it. A line
-that cannot run is reported on stderr and written as {"id" (when known), "line": N,
-"error": "..."}; the run goes on.
+that cannot run (not UTF-8, not JSON, a bad field) is reported on stderr and written as
+{"id" (when known), "line": N, "error": "..."}; the run goes on.
 
 Resuming: with an existing --output, ids that already have a result there are skipped and
 those lines kept byte for byte; a last line cut short by a crash is dropped and redone;
 error records are dropped and their lines read again (so fixing a bad line and rerunning
-fills it in). Exit status: 0 when every line ran, 1 when some failed, 2 for usage errors
-(bad flags, unreadable model, input or output), 130 when interrupted.
+fills it in). A run locks its --output: a second run on the same file refuses to start.
+Exit status: 0 when every line ran, 1 when some failed, 2 for usage errors (bad flags, an
+unreadable model or input, an output that cannot be written or is locked; all but the
+model's are found before it loads), 130 when interrupted.
 
 Lifecycle: flags -> ServingConfig and default sampling; the model, tokenizer and a
 warmed-up engine; then one loop on this thread reads input lines lazily, keeps at most
@@ -43,9 +46,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
+import io
 import json
 import os
 import sys
+import tempfile
 import time
 import zlib
 from typing import IO, Any, Iterable, Iterator, Mapping
@@ -187,12 +193,17 @@ def parse_record(line: int, record: object, defaults: Mapping[str, Any], base_se
     return Job(line, rid, tuple(ids), SamplingParams(**values), stop)
 
 
-def read_jobs(lines: Iterable[tuple[int, str]], defaults: Mapping[str, Any], base_seed: int | None,
+def read_jobs(lines: Iterable[tuple[int, bytes | str]], defaults: Mapping[str, Any], base_seed: int | None,
               tokenizer: Tokenizer, done: set[str], tally: Tally) -> Iterator[Job | Failure]:
-    """Jobs and failures for (line number, text) pairs, lazily; ids in `done` are skipped
-    (counted in tally.skipped); a repeated id is a failure."""
+    """Jobs and failures for (line number, line) pairs, lazily; a line in bytes must be UTF-8;
+    ids in `done` are skipped (counted in tally.skipped); a repeated id is a failure."""
     first_line: dict[str, int] = {}
-    for n, text in lines:
+    for n, raw in lines:
+        try:
+            text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        except UnicodeDecodeError as e:
+            yield Failure(n, f"not UTF-8: byte 0x{raw[e.start]:02x} at column {e.start + 1}")
+            continue
         try:
             record = json.loads(text)
         except json.JSONDecodeError as e:
@@ -214,8 +225,9 @@ def read_jobs(lines: Iterable[tuple[int, str]], defaults: Mapping[str, Any], bas
             yield Failure(n, str(e), rid)
 
 
-def numbered_lines(f: IO[str]) -> Iterator[tuple[int, str]]:
-    """(1-based line number, text) for the non-blank lines of a file."""
+def numbered_lines(f: IO[bytes]) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, bytes) for the non-blank lines of a binary file: decoding is
+    per line (read_jobs), so one bad byte spoils one line, not the run."""
     for n, text in enumerate(f, 1):
         if text.strip():
             yield n, text
@@ -267,24 +279,52 @@ def scan_output(path: str) -> ExistingOutput:
     return ExistingOutput(done, keep, offset)
 
 
-def open_output(path: str, existing: ExistingOutput) -> IO[str]:
-    """The output file opened for appending, holding exactly the lines `existing` keeps: cut
-    at the end of the kept lines when only a tail goes, else rewritten (atomically) without
-    the dropped lines."""
-    if not existing.untouched:
-        if not existing.keep or (len(existing.keep) == 1 and existing.keep[0][0] == 0):
-            os.truncate(path, existing.keep[0][1] if existing.keep else 0)
-        else:
-            tmp = path + ".tmp"
-            with open(path, "rb") as src, open(tmp, "wb") as dst:
-                for start, end in existing.keep:
-                    src.seek(start)
-                    while start < end:  # in bounded pieces: the file may be large
-                        piece = src.read(min(end - start, 1 << 20))
-                        dst.write(piece)
-                        start += len(piece)
-            os.replace(tmp, path)
-    return open(path, "a", encoding="utf-8", newline="\n")
+def open_output(path: str) -> tuple[IO[str], ExistingOutput]:
+    """The output file, locked against a second run writing to it, opened for appending and
+    holding exactly the lines a previous run left that count (`scan_output`), with what
+    they were. UsageError when it cannot be written, is locked or is another program's file:
+    called before the model loads, so that these are found in a second, not after minutes."""
+    try:
+        f = open(path, "ab")
+    except OSError as e:
+        raise UsageError(f"cannot write --output: {e}") from None
+    try:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"--output {path} is locked by another run writing to it; wait for that run "
+                             "to end or choose another file") from None
+        existing = scan_output(path)
+        _keep_only(f, existing)
+    except BaseException:
+        f.close()
+        raise
+    return io.TextIOWrapper(f, encoding="utf-8", newline="\n"), existing
+
+
+def _keep_only(f: IO[bytes], existing: ExistingOutput) -> None:
+    """Cut the file open in `f` down to the lines `existing` keeps, in place (the lock is on
+    this file, so it is never replaced): the kept lines after the first dropped one are copied
+    aside, the file is cut there and they are appended again. A crash part way leaves a
+    prefix of the result, which the next run reads as such (the lost results are redone)."""
+    if existing.untouched:
+        return
+    keep = existing.keep
+    head = keep[0][1] if keep and keep[0][0] == 0 else 0
+    tail = keep[1:] if head else keep
+    with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(f.name))) as aside:
+        with open(f.name, "rb") as src:
+            for start, end in tail:
+                src.seek(start)
+                while start < end:  # in bounded pieces: the file may be large
+                    piece = src.read(min(end - start, 1 << 20))
+                    aside.write(piece)
+                    start += len(piece)
+        f.truncate(head)
+        aside.seek(0)
+        while piece := aside.read(1 << 20):
+            f.write(piece)
+    f.flush()
 
 
 def result_record(job: Job, text: str, token_ids: list[int], reason: str, out: RequestOutput,
@@ -358,16 +398,25 @@ class Writer:
         self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
         self.out.flush()
 
+    def _clear_progress(self) -> None:
+        if self.progress.stream is not None:
+            sys.stderr.write("\r\x1b[K")  # a message goes over the progress line
+
     def failure(self, f: Failure) -> None:
         self.tally.failed += 1
         who = "" if f.id is None else f" (id {id_key(f.id)})"
-        if self.progress.stream is not None:
-            sys.stderr.write("\r\x1b[K")  # over the progress line
+        self._clear_progress()
         print(f"line {f.line}{who}: {f.error}", file=sys.stderr)
         self._write(f.record())
 
     def result(self, record: dict[str, Any]) -> None:
-        self.tally.ok += 1
+        if record["finish_reason"] == FinishReason.ERROR.value:  # written, but the run did not go well
+            self.tally.failed += 1
+            self._clear_progress()
+            print(f"id {id_key(record['id'])}: the model's logits were NaN or infinite (finish_reason error)",
+                  file=sys.stderr)
+        else:
+            self.tally.ok += 1
         u = record["usage"]
         self.tally.prompt_tokens += u["prompt_tokens"]
         self.tally.cached_prompt_tokens += u["cached_prompt_tokens"]
@@ -474,23 +523,23 @@ def _check_sampling_flags(defaults: Mapping[str, Any], seed: int | None, vocab_s
         raise UsageError("bad sampling flags: " + "; ".join(bad))
 
 
-def _input_lines(args: argparse.Namespace) -> tuple[Iterator[tuple[int, str]], int | None]:
+def _input_lines(args: argparse.Namespace) -> tuple[Iterator[tuple[int, bytes | str]], int | None]:
     """(numbered input lines, how many there are when cheap to know)."""
     if args.input is None:
         prompts = args.prompt or [DEFAULT_PROMPT]
         return ((i + 1, json.dumps({"id": i, "prompt": p})) for i, p in enumerate(prompts)), len(prompts)
     if args.input == "-":
-        return numbered_lines(sys.stdin), None
+        return numbered_lines(sys.stdin.buffer), None
     try:
-        with open(args.input, encoding="utf-8") as f:  # fail now, not after loading the model
+        with open(args.input, "rb") as f:  # fail now, not after loading the model
             total = sum(1 for line in f if line.strip()) if not args.no_progress and sys.stderr.isatty() else None
     except OSError as e:
         raise UsageError(f"cannot read --input: {e}") from None
     return _file_lines(args.input), total
 
 
-def _file_lines(path: str) -> Iterator[tuple[int, str]]:
-    with open(path, encoding="utf-8") as f:
+def _file_lines(path: str) -> Iterator[tuple[int, bytes]]:
+    with open(path, "rb") as f:
         yield from numbered_lines(f)
 
 
@@ -576,12 +625,19 @@ def _run(args: argparse.Namespace) -> int:
     defaults = sampling_defaults(args)
     _check_sampling_flags(defaults, args.seed, 2**31, config.max_logprobs)  # before the slow part
     lines, total = _input_lines(args)
-    existing = scan_output(args.output) if args.output else ExistingOutput(set(), [], 0)
-    tokenizer, engine = run_interruptible(lambda: _load(config, defaults, args.seed), what="loading and warm-up")
+    out, existing = open_output(args.output) if args.output else (sys.stdout, ExistingOutput(set(), [], 0))
     try:
-        out = open_output(args.output, existing) if args.output else sys.stdout
-    except OSError as e:
-        raise UsageError(f"cannot write --output: {e}") from None
+        return _generate(args, config, defaults, lines, total, out, existing)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+
+
+def _generate(args: argparse.Namespace, config: ServingConfig, defaults: Mapping[str, Any],
+              lines: Iterator[tuple[int, bytes | str]], total: int | None, out: IO[str],
+              existing: ExistingOutput) -> int:
+    """Load, warm up, and run every input line into `out`."""
+    tokenizer, engine = run_interruptible(lambda: _load(config, defaults, args.seed), what="loading and warm-up")
     tally = Tally()
     progress = Progress(sys.stderr if sys.stderr.isatty() and not args.no_progress else None, total)
     items = read_jobs(lines, defaults, args.seed, tokenizer, existing.done, tally)
@@ -599,9 +655,6 @@ def _run(args: argparse.Namespace) -> int:
         print("interrupted: finished requests are saved; rerun with the same --output to resume", file=sys.stderr)
         print(summary(), file=sys.stderr)
         return EXIT_INTERRUPTED
-    finally:
-        if out is not sys.stdout:
-            out.close()
     progress.close(tally)
     print(summary(), file=sys.stderr)
     return EXIT_FAILED_LINES if tally.failed else EXIT_OK

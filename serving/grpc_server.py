@@ -11,8 +11,18 @@ Lifecycle: the gRPC server starts first and answers health NOT_SERVING (Generate
 UNAVAILABLE) while the model loads and every step bucket compiles (progress is printed,
 bucket i/n); then health turns SERVING. SIGTERM (or SIGINT) drains: health NOT_SERVING, new
 requests UNAVAILABLE, in-flight requests run to their end (at most --drain-timeout seconds,
-then they are aborted), and the process exits 0. A signal during warm-up takes effect
-when warm-up ends.
+then they are aborted), and the process exits 0. A signal during loading or warm-up stops
+the process at once (`serving.startup`).
+
+Security: the server listens on 127.0.0.1 unless --host says otherwise. --tls-cert FILE
+--tls-key FILE (PEM) serve gRPC over TLS; --api-key-file FILE makes the Generation service
+require `authorization: Bearer KEY` metadata (UNAUTHENTICATED otherwise), the key being the
+file's first line; health and reflection stay open, for orchestrators' probes.
+
+Bad bytes: a request message that does not parse answers INVALID_ARGUMENT, logged as one
+WARNING line; a Generate request larger than `request_size_limit(max_model_len)` answers
+INVALID_ARGUMENT naming the limit (gRPC itself refuses, RESOURCE_EXHAUSTED, messages over
+four times that limit before they reach the server's code).
 
 Threads: grpc.aio, so the gRPC side is one asyncio event loop on the main thread, and the
 engine is driven by `serving.engine_loop.EngineLoop`'s one thread. Why aio rather than the
@@ -37,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import hmac
 import logging
 import math
 import sys
@@ -78,6 +89,49 @@ _STATUS = {ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
 
 class BadRequest(ValueError):
     """A request the server refuses with INVALID_ARGUMENT; the message lists every problem."""
+
+
+def request_size_limit(max_model_len: int) -> int:
+    """The bytes a Generate request may have: a prompt of max_model_len tokens as text at 64
+    bytes a token (many times a real tokenizer's average) or as ids, plus 1 MiB for every other
+    field; never under gRPC's own default of 4 MiB."""
+    return max(4 << 20, 64 * max_model_len + (1 << 20))
+
+
+@dataclasses.dataclass(frozen=True)
+class Undecodable:
+    """What a method receives in place of a request message that could not be read."""
+
+    problem: str
+
+
+def _lenient_parser(message_type, max_bytes: int | None):
+    """A request deserializer that returns `Undecodable` instead of raising (gRPC would answer
+    UNKNOWN and log a traceback per request) or, over max_bytes, before parsing."""
+
+    def parse(data: bytes):
+        if max_bytes is not None and len(data) > max_bytes:
+            return Undecodable(f"the request is {len(data):,} bytes, over this server's limit of {max_bytes:,} "
+                               "(set by --max-model-len)")
+        try:
+            return message_type.FromString(data)
+        except Exception as e:  # protobuf's DecodeError, or whatever its C++ parser raises
+            return Undecodable(f"the request bytes are not a {message_type.DESCRIPTOR.name} message ({e})")
+    return parse
+
+
+def add_generation_service(servicer: GenerationService, server, *, max_request_bytes: int | None) -> None:
+    """Register the Generation service as the generated `add_GenerationServicer_to_server`
+    does, but with lenient request parsers (`_lenient_parser`)."""
+    methods = {"Generate": (grpc.unary_stream_rpc_method_handler, pb.GenerateRequest, pb.GenerateResponse),
+               "GetModelInfo": (grpc.unary_unary_rpc_method_handler, pb.GetModelInfoRequest, pb.ModelInfo),
+               "GetStats": (grpc.unary_unary_rpc_method_handler, pb.GetStatsRequest, pb.ServerStats)}
+    handlers = {name: kind(getattr(servicer, name),
+                           request_deserializer=_lenient_parser(request, max_request_bytes if name == "Generate" else None),
+                           response_serializer=reply.SerializeToString)
+                for name, (kind, request, reply) in methods.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
 
 
 # ---- proto <-> engine -------------------------------------------------------------------
@@ -193,6 +247,72 @@ class _Backend:
     info: pb.ModelInfo
 
 
+@dataclasses.dataclass(frozen=True)
+class Security:
+    """TLS (PEM bytes of the certificate chain and its private key) and the API key, each
+    optional."""
+
+    tls_cert: bytes | None = None
+    tls_key: bytes | None = None
+    api_key: str | None = None
+
+    def describe(self) -> str:
+        return ", ".join(filter(None, ["TLS" if self.tls_cert else "plaintext",
+                                       "API key required" if self.api_key else "no API key"]))
+
+
+def read_security(tls_cert: str | None, tls_key: str | None, api_key_file: str | None) -> Security:
+    """The --tls-cert / --tls-key / --api-key-file flags read; ValueError saying what is wrong."""
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    cert = key = api_key = None
+    try:
+        if tls_cert is not None:
+            with open(tls_cert, "rb") as f:
+                cert = f.read()
+            with open(tls_key, "rb") as f:
+                key = f.read()
+            if b"-----BEGIN" not in cert or b"-----BEGIN" not in key:
+                raise ValueError(f"--tls-cert {tls_cert} and --tls-key {tls_key} must be PEM files")
+        if api_key_file is not None:
+            with open(api_key_file, encoding="utf-8") as f:
+                api_key = f.readline().strip()
+            if not api_key:
+                raise ValueError(f"--api-key-file {api_key_file}: its first line is empty")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read a TLS or API key file: {e}") from None
+    return Security(cert, key, api_key)
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Generation calls need `authorization: Bearer KEY` metadata, or are UNAUTHENTICATED
+    before their handler runs; other services pass."""
+
+    def __init__(self, api_key: str):
+        self._expected = f"Bearer {api_key}".encode()
+
+    def _authorized(self, metadata) -> bool:
+        given = [value for key, value in (metadata or ()) if key == "authorization"]
+        return len(given) == 1 and hmac.compare_digest(str(given[0]).encode(), self._expected)
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE}/") or \
+                self._authorized(details.invocation_metadata):
+            return handler
+
+        async def refuse(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or wrong API key (send metadata authorization: Bearer KEY)")
+
+        if handler.response_streaming:
+            async def refuse_stream(request, context):
+                await refuse(request, context)
+                yield  # never reached; makes this the streaming kind of handler
+            return grpc.unary_stream_rpc_method_handler(refuse_stream)
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+
 class GenerationService(pb_grpc.GenerationServicer):
     """The Generation service; UNAVAILABLE until `attach` gives it an engine loop, and while draining."""
 
@@ -209,6 +329,12 @@ class GenerationService(pb_grpc.GenerationServicer):
             self._metrics.refused(kind)
         await context.abort(_STATUS[kind], message)
 
+    async def _decoded(self, request, context, method: str) -> None:
+        """Refuse an `Undecodable` request: INVALID_ARGUMENT, one WARNING line, no traceback."""
+        if isinstance(request, Undecodable):
+            log.warning("%s from %s refused: %s", method, context.peer(), request.problem)
+            await self._refuse(context, ErrorKind.INVALID_ARGUMENT, request.problem)
+
     async def _ready(self, context) -> _Backend:
         if self._backend is None:
             await self._refuse(context, ErrorKind.UNAVAILABLE, "the server is warming up")
@@ -217,6 +343,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         return self._backend
 
     async def Generate(self, request: pb.GenerateRequest, context):
+        await self._decoded(request, context, "Generate")
         backend = await self._ready(context)
         request_id = request.request_id or uuid.uuid4().hex
         try:
@@ -249,11 +376,13 @@ class GenerationService(pb_grpc.GenerationServicer):
                 backend.loop.cancel(handle)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
+        await self._decoded(request, context, "GetModelInfo")
         if self._backend is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is warming up")
         return self._backend.info
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.ServerStats:
+        await self._decoded(request, context, "GetStats")
         if self._backend is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is warming up")
         try:
@@ -280,9 +409,13 @@ class GrpcServer:
     """The aio gRPC server (Generation, health, reflection) and the metrics endpoint; the methods
     run on its event loop. start() -> attach(engine, ...) -> serve -> drain() -> stop()."""
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, metrics_port: int | None = None):
-        """metrics_port: None = no metrics endpoint; 0 = any free port."""
+    def __init__(self, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, metrics_port: int | None = None,
+                 max_request_bytes: int = request_size_limit(ServingConfig.max_model_len),
+                 security: Security = Security()):
+        """metrics_port: None = no metrics endpoint; 0 = any free port. max_request_bytes: the
+        largest Generate request served (`request_size_limit`)."""
         self.host, self.port, self.metrics_port = host, port, metrics_port
+        self.max_request_bytes, self.security = max_request_bytes, security
         self.metrics = ServingMetrics()
         self.service = GenerationService(self.metrics)
         self.health = HealthServicer()
@@ -294,15 +427,24 @@ class GrpcServer:
     async def start(self) -> int:
         """Listen (health NOT_SERVING until attach); returns the bound port."""
         self._aloop = asyncio.get_running_loop()
-        # so_reuseport off: a second server on a taken port must fail, not share it.
-        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_GenerationServicer_to_server(self.service, self._server)
+        # so_reuseport off: a second server on a taken port must fail, not share it. gRPC's own
+        # size cap sits well above ours, so that an oversized request gets our message.
+        interceptors = [ApiKeyInterceptor(self.security.api_key)] if self.security.api_key else []
+        self._server = grpc.aio.server(interceptors=interceptors,
+                                       options=[("grpc.so_reuseport", 0),
+                                                ("grpc.max_receive_message_length", 4 * self.max_request_bytes)])
+        add_generation_service(self.service, self._server, max_request_bytes=self.max_request_bytes)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self._server)
         await self._set_health(False)
-        self.port = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        address = f"{self.host}:{self.port}"
+        if self.security.tls_cert:
+            credentials = grpc.ssl_server_credentials([(self.security.tls_key, self.security.tls_cert)])
+            self.port = self._server.add_secure_port(address, credentials)
+        else:
+            self.port = self._server.add_insecure_port(address)
         await self._server.start()
         if self.metrics_port is not None:
             self._httpd = self.metrics.serve_http(self.host, self.metrics_port)
@@ -351,8 +493,9 @@ class ServerThread:
     (tests, notebooks). `start()` returns once it serves; `call(coro)` runs a coroutine on its loop."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, info: pb.ModelInfo, *, host: str = "127.0.0.1",
-                 port: int = 0, metrics_port: int | None = 0):
-        self.server = GrpcServer(host=host, port=port, metrics_port=metrics_port)
+                 port: int = 0, metrics_port: int | None = 0, security: Security = Security()):
+        self.server = GrpcServer(host=host, port=port, metrics_port=metrics_port,
+                                 max_request_bytes=request_size_limit(engine.limits.max_model_len), security=security)
         self._engine, self._tokenizer, self._info = engine, tokenizer, info
         self._aloop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._aloop.run_forever, name="grpc-server", daemon=True)
@@ -393,10 +536,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m serving.grpc_server", description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on, gRPC and metrics (default: %(default)s, this machine only; "
-                        "0.0.0.0 listens on every interface, without TLS or authentication)")
+                        "0.0.0.0 listens on every interface: add --tls-cert / --tls-key and --api-key-file)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port; 0 = any free one (default: %(default)s)")
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                    help="Prometheus HTTP port; 0 = off (default: %(default)s)")
+    p.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
+    p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
+    p.add_argument("--api-key-file", metavar="FILE",
+                   help="a file whose first line is the API key Generation calls must send as metadata "
+                        "'authorization: Bearer KEY' (health and reflection stay open)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight requests before aborting them (default: %(default)s)")
     add_serving_flags(p)
@@ -420,13 +568,14 @@ def _load(config: ServingConfig):
 
 
 async def serve(config: ServingConfig, *, host: str, port: int, metrics_port: int | None,
-                drain_timeout: float) -> int:
+                drain_timeout: float, security: Security = Security()) -> int:
     """Run the server until SIGTERM / SIGINT; the process's exit code."""
 
-    server = GrpcServer(host=host, port=port, metrics_port=metrics_port)
+    server = GrpcServer(host=host, port=port, metrics_port=metrics_port,
+                        max_request_bytes=request_size_limit(config.max_model_len), security=security)
     bound = await server.start()
     metrics = f", metrics on http://{host}:{server.metrics_port}/metrics" if server.metrics_port else ""
-    print(f"listening on {host}:{bound}{metrics} (NOT_SERVING until warmed up)", flush=True)
+    print(f"listening on {host}:{bound} ({security.describe()}){metrics} (NOT_SERVING until warmed up)", flush=True)
     shutdown = asyncio.Event()
     received: list[int] = []
     aloop = asyncio.get_running_loop()
@@ -461,6 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         config = config_from_args(args)
+        security = read_security(args.tls_cert, args.tls_key, args.api_key_file)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -469,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("serving").setLevel(logging.INFO)
     return asyncio.run(serve(config, host=args.host, port=args.port, metrics_port=args.metrics_port or None,
-                             drain_timeout=args.drain_timeout))
+                             drain_timeout=args.drain_timeout, security=security))
 
 
 if __name__ == "__main__":

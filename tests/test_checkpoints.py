@@ -14,6 +14,7 @@ from checkpoints.loader import load_checkpoint
 from checkpoints.safetensors_io import CheckpointError, CheckpointReader, read_header, write_file
 from checkpoints.testing import write_tiny_checkpoint
 from dsv4.config import TINY
+from dsv4.sampling import NonFiniteLogitsError
 from tests.devices import require_devices
 
 
@@ -221,3 +222,40 @@ def test_loader_places_each_tensor_onto_its_mesh_shards(dense_dir):
     assert w.addressable_shards[0].data.shape[0] == w.shape[0] // 2
     for (_, a), (_, b) in zip(nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(nnx.state(plain))):
         np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()))
+
+
+def _overwrite(directory, name: str, offset: int, data: bytes) -> None:
+    """Replace bytes of one stored tensor, `offset` bytes into it."""
+    ref = CheckpointReader(directory).refs[name]
+    assert ref.begin + offset + len(data) <= ref.end
+    with open(ref.file, "r+b") as f:
+        f.seek(ref.begin + offset)
+        f.write(data)
+
+
+def test_weights_holding_nan_or_inf_are_refused_naming_them_unless_allowed(tmp_path):
+    """A NaN in a bf16 norm, an e4m3 NaN code in an FP8 weight, an E8M0 NaN scale and an Inf in
+    the draft head: loading names each (quantized as stored, and decoded), and goes on only
+    when allowed."""
+    spec = TINY.replace(num_draft_stages=1, dspark_block_size=3, dspark_noise_token_id=1,
+                        dspark_target_layer_ids=(4,), dspark_markov_rank=4)
+    write_tiny_checkpoint(spec, tmp_path, seed=5, quantized=True)
+    reader = CheckpointReader(tmp_path)
+    draft_name = next(n for n, r in reader.refs.items() if n.startswith("mtp.") and r.dtype == "BF16")
+    reader.close()
+    _overwrite(tmp_path, "layers.0.attn_norm.weight", 2, b"\xc0\x7f")  # bf16 NaN
+    _overwrite(tmp_path, "layers.1.attn.wq_a.weight", 5, b"\x7f")  # e4m3 NaN
+    _overwrite(tmp_path, "layers.2.attn.wq_b.scale", 0, b"\xff")  # E8M0 NaN
+    _overwrite(tmp_path, draft_name, 0, b"\x80\x7f")  # bf16 +Inf
+    stored = ["layers.0.attn_norm.weight", "layers.1.attn.wq_a.weight", "layers.2.attn.wq_b.scale",
+              "draft " + draft_name]
+    decoded = stored[:2] + ["layers.2.attn.wq_b.weight", stored[3]]  # the NaN scale spoils its weight
+    for quantized, names in ((True, stored), (False, decoded)):
+        with pytest.raises(CheckpointError, match="4 parameter\\(s\\) hold NaN or infinite values") as err:
+            dsv4.load_pretrained(tmp_path, dtype="float32", quantized=quantized, draft="dspark")
+        assert all(n in str(err.value) for n in names), (names, str(err.value))
+        model = dsv4.load_pretrained(tmp_path, dtype="float32", quantized=quantized, draft="dspark",
+                                     allow_nonfinite=True)
+        assert model.draft_head is not None
+    with pytest.raises(NonFiniteLogitsError, match="NaN or infinite"):  # the NaN norm spoils every logit
+        model.generate([1, 2, 3], 2, max_num_seqs=1, max_num_batched_tokens=8)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from dsv4.batch import Bucket
+from dsv4.sampling import NONFINITE_TOKEN
 from dsv4.state import StateGeometry
 from serving.engine import (Engine, EngineLimits, EngineRequest, FinishReason, QueueFullError, SamplingParams)
 
@@ -128,6 +129,30 @@ def test_many_requests_come_out_as_if_alone():
     s = engine.stats()
     assert s.running == s.waiting == 0 and s.free_pages == 16 and s.free_slots == 4
     assert s.tokens_generated == sum(len(w) for w in want.values())
+
+
+def test_a_request_whose_logits_are_not_finite_ends_with_error_and_others_go_on():
+    """The step samples NONFINITE_TOKEN for a row with NaN / Inf logits: that request ends with
+    finish reason error, keeping the tokens before; the marker is never handed out; its
+    neighbour runs to its end; the slot and pages come back."""
+
+    class PoisonedRunner(MockRunner):  # unusable logits at position 4 (only "bad" samples there)
+        def dispatch(self, chunks):
+            out = super().dispatch(chunks)
+            rows = [c.start + k for c in chunks for k in c.outputs]
+            out.tokens[np.asarray(rows) == 4] = NONFINITE_TOKEN
+            return out
+
+    runner = PoisonedRunner()
+    engine = Engine(runner, limits(runner))
+    engine.submit(EngineRequest("bad", (5, 6), SamplingParams(max_tokens=10)))
+    engine.submit(EngineRequest("ok", tuple(range(2, 9)), SamplingParams(max_tokens=3)))
+    got, final = drain(engine)
+    assert got["bad"] == expected((5, 6), 3) and final["bad"].finish_reason is FinishReason.ERROR
+    assert final["bad"].usage.completion_tokens == 3
+    assert got["ok"] == expected(tuple(range(2, 9)), 3) and final["ok"].finish_reason is FinishReason.LENGTH
+    s = engine.stats()
+    assert s.free_slots == 4 and s.free_pages == 16
 
 
 def test_decoding_requests_get_a_token_every_step_and_prefill_is_chunked():

@@ -13,6 +13,7 @@ begins so its warm-up overlaps the in-process one (the machine has 2 cores).
 from __future__ import annotations
 
 import filecmp
+import logging
 import math
 import os
 import signal
@@ -544,6 +545,81 @@ def test_full_queue_is_resource_exhausted_and_duplicate_ids_already_exist(mock):
         assert err.code() is grpc.StatusCode.ALREADY_EXISTS and "'A'" in err.details()
     assert collect(mock.stub, ids_request([3], "A", max_tokens=2))[0] == expected((3,), 2)  # free again
     wait_for(lambda: idle(mock.stub), what="the mock to be idle")
+
+
+def test_undecodable_and_oversized_requests_are_invalid_with_one_warning_line(mock, caplog):
+    """Bytes that are no protobuf message, on every method, and a Generate request over the
+    size limit: INVALID_ARGUMENT saying so, one WARNING log line each and no traceback; the
+    server goes on serving."""
+    limit = grpc_server.request_size_limit(32)  # the mock's max_model_len
+    garbage = b"\xff\xff\xff\xff"
+    oversized = ids_request([3], max_tokens=2)
+    oversized.text = "A" * (limit + 1)
+    cases = [("Generate", garbage, "not a GenerateRequest message"),
+             ("GetStats", garbage, "not a GetStatsRequest message"),
+             ("GetModelInfo", garbage, "not a GetModelInfoRequest message"),
+             ("Generate", oversized.SerializeToString(), f"over this server's limit of {limit:,}")]
+    caplog.set_level(logging.WARNING)
+    for name, data, message in cases:
+        if name == "Generate":  # no serializers: the bytes go as they are
+            call = lambda: list(mock.channel.unary_stream(f"/{grpc_server.SERVICE}/Generate")(data, timeout=30))  # noqa: E731
+        else:
+            call = lambda: mock.channel.unary_unary(f"/{grpc_server.SERVICE}/{name}")(data, timeout=30)  # noqa: E731
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details(), name
+    records = [r for r in caplog.records if r.name.startswith(("serving", "grpc"))]
+    assert [r.levelno for r in records] == [logging.WARNING] * 4 and not any(r.exc_info for r in records)
+    assert collect(mock.stub, ids_request([3], max_tokens=2))[0] == expected((3,), 2)
+    wait_for(lambda: idle(mock.stub), what="the mock to be idle")
+
+
+TLS_DIR = os.path.join(os.path.dirname(__file__), "data", "tls")  # a self-signed localhost pair, for tests only
+
+
+def test_tls_and_the_api_key_guard_generation_but_not_health(tmp_path):
+    """Over TLS with an API key: Generate and GetStats without the key, or with a wrong one, are
+    UNAUTHENTICATED; with it they run; health answers anyone; a plaintext client gets nowhere."""
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    security = grpc_server.read_security(os.path.join(TLS_DIR, "server.crt"), os.path.join(TLS_DIR, "server.key"),
+                                         str(key_file))
+    assert security.describe() == "TLS, API key required"
+    runner = MockRunner(slots=2, pages=16, page_tokens=4, max_pages=8, tokens=16, requests=2)
+    limits = EngineLimits(vocab_size=50, eos_token_ids=(1,), max_num_batched_tokens=16, max_model_len=32)
+    server = grpc_server.ServerThread(Engine(runner, limits), LetterTokenizer(), pb.ModelInfo(model="mock"),
+                                      metrics_port=None, security=security).start()
+    credentials = grpc.ssl_channel_credentials(root_certificates=security.tls_cert)
+    try:
+        with grpc.secure_channel(f"localhost:{server.port}", credentials) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            for metadata in (None, [("authorization", "Bearer wrong")], [("authorization", "s3cret")]):
+                for call in (lambda: collect(stub, ids_request([3], max_tokens=2), metadata=metadata),
+                             lambda: stub.GetStats(pb.GetStatsRequest(), metadata=metadata, timeout=30)):
+                    with pytest.raises(grpc.RpcError) as err:
+                        call()
+                    assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED and "API key" in err.value.details()
+            good = [("authorization", "Bearer s3cret")]
+            assert collect(stub, ids_request([3], max_tokens=2), metadata=good)[0] == expected((3,), 2)
+            assert stub.GetStats(pb.GetStatsRequest(), metadata=good, timeout=30).tokens_generated >= 2
+            assert health_status(channel) == health_pb2.HealthCheckResponse.SERVING
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as plain:
+            with pytest.raises(grpc.RpcError) as err:
+                health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop()
+
+
+def test_tls_and_api_key_flags_are_checked_before_anything_loads(tmp_path, capsys):
+    crt, key = os.path.join(TLS_DIR, "server.crt"), os.path.join(TLS_DIR, "server.key")
+    (tmp_path / "empty").write_text("\n")
+    bad = [(["--tls-cert", crt], "go together"), (["--tls-cert", crt, "--tls-key", str(tmp_path / "none")], "cannot read"),
+           (["--tls-cert", str(tmp_path / "empty"), "--tls-key", key], "PEM"),
+           (["--api-key-file", str(tmp_path / "empty")], "first line is empty")]
+    for flags, problem in bad:
+        assert grpc_server.main(["--model", str(tmp_path / "no-model")] + flags) == 2, flags
+        assert problem in capsys.readouterr().err, flags
 
 
 def test_a_failing_step_fails_its_requests_with_internal_and_the_server_keeps_serving(mock):

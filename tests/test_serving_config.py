@@ -24,6 +24,9 @@ def test_defaults_are_valid_and_flags_override():
     assert (c.max_num_seqs, c.max_num_batched_tokens, c.mesh, c.deployment) == (16, 512, (2, 2), "tp_ep")
     assert c.bucket_tokens == (16, 512) and c.max_req_tokens == 100 and c.compilation_cache is None
     assert c.enable_prefix_caching is False and parse(["--enable-prefix-caching", "true"]).enable_prefix_caching
+    # A yes/no flag alone means yes, also before another flag.
+    c = parse(["--allow-nonfinite", "--quantized", "off", "--enable-prefix-caching"])
+    assert c.allow_nonfinite and not c.quantized and c.enable_prefix_caching
 
 
 @pytest.mark.parametrize("argv, want", [
@@ -202,7 +205,8 @@ def test_an_official_checkpoint_is_served_quantized_unless_asked_otherwise(tmp_p
 
     served = {}
     for flags in ([], ["--quantized", "off"]):
-        served[bool(flags)] = load_model(parse(["--model", str(tmp_path / "ckpt"), "--compilation-cache", ""] + flags))[0]
+        served[bool(flags)] = load_model(parse(["--model", str(tmp_path / "ckpt"), "--dtype", "float32",
+                                               "--compilation-cache", ""] + flags))[0]
     assert fp8 in dtypes(served[False]) and fp8 not in dtypes(served[True])
     ids = [[3, 1, 4, 1, 5]]
     np.testing.assert_allclose(np.asarray(served[False].logits(ids)), np.asarray(served[True].logits(ids)),

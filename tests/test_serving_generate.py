@@ -8,7 +8,9 @@ the request loop, detokenisation, resuming) runs as in a real invocation.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
 import zlib
 
@@ -56,7 +58,9 @@ def shared(tmp_path_factory):
 
 
 def write_lines(path, records):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    """One line per record: bytes as they are, text, or a JSON object."""
+    as_bytes = (r if isinstance(r, bytes) else (r if isinstance(r, str) else json.dumps(r)).encode() for r in records)
+    path.write_bytes(b"".join(r + b"\n" for r in as_bytes))
     return str(path)
 
 
@@ -203,21 +207,22 @@ def test_bad_lines_become_error_records_and_the_run_goes_on(shared, tmp_path, ca
                {"id": "k", "prompt": "x", "top_k": "5"}, {"id": "u", "prompt": "x", "max_new_tokens": 3},
                {"id": "two", "prompt": "x", "token_ids": [1]}, {"id": 1.5, "prompt": "x"},
                {"id": "st", "prompt": "x", "stop": [""]}, [1, 2],
-               {"id": "m", "messages": [{"role": "user", "content": "hi"}]}, {"id": "mbad", "messages": "hi"}]
+               {"id": "m", "messages": [{"role": "user", "content": "hi"}]}, {"id": "mbad", "messages": "hi"},
+               b'{"id": "latin1", "prompt": "caf\xe9"}', {"id": "\u00fc", "prompt": "h\u00e9llo \u2713"}]
     rc, done, errors = run(shared, tmp_path, records)
     err = capsys.readouterr().err
-    assert rc == 1 and set(done) == {"ok1", "m"}
+    assert rc == 1 and set(done) == {"ok1", "m", "\u00fc"}
     want = {1: "invalid JSON", 3: 'missing "id"', 4: "duplicate id", 5: "temperature must be",
             6: '"prompt" must be non-empty', 7: "outside the vocabulary", 8: "exceeds max_model_len",
             9: "top_k must be an integer", 10: "unknown keys ['max_new_tokens']", 11: "exactly one of",
             12: '"id" must be a string or an integer', 13: "stop strings must be non-empty", 14: "JSON object",
-            16: '"messages"'}
+            16: '"messages"', 17: "not UTF-8: byte 0xe9 at column 32"}
     assert {e["line"]: e["error"] for e in errors}.keys() == want.keys()
     for e in errors:
         assert want[e["line"]] in e["error"], e
         assert f"line {e['line']}" in err
-        assert ("id" in e) == (e["line"] not in (1, 3, 12, 14))
-    assert re.search(r"summary: 2 ok, 14 failed, 0 skipped .*; \d+ prompt tokens \(\d+ cached\), \d+ generated in "
+        assert ("id" in e) == (e["line"] not in (1, 3, 12, 14, 17))
+    assert re.search(r"summary: 3 ok, 15 failed, 0 skipped .*; \d+ prompt tokens \(\d+ cached\), \d+ generated in "
                      r"[\d.]+s \([\d.]+ tok/s\); acceptance n/a: speculation off", err)
 
 
@@ -240,6 +245,30 @@ def test_prompt_mode_prints_json_lines_and_exit_codes(shared, tmp_path, capsys):
     not_ours = tmp_path / "other.jsonl"
     not_ours.write_text("hello\n")
     assert generate.main(base + ["--output", str(not_ours)]) == 2 and not_ours.read_text() == "hello\n"
+
+
+def test_output_problems_are_found_before_the_model_loads(shared, tmp_path, capsys, monkeypatch):
+    """A directory, a missing parent, a read-only file, and a file another run holds: exit 2
+    with one line naming the problem, before any loading; a run's lock goes with it."""
+    monkeypatch.setattr(generate, "_load", lambda *a: pytest.fail("the model was loaded"))
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": 1, "prompt": "x"}])
+    read_only = tmp_path / "ro.jsonl"
+    read_only.write_text("")
+    read_only.chmod(0o444)
+    cases = {str(tmp_path): "Is a directory", str(tmp_path / "no" / "out.jsonl"): "No such file or directory"}
+    if not os.access(read_only, os.W_OK):  # root may write anyway
+        cases[str(read_only)] = "Permission denied"
+    held = tmp_path / "held.jsonl"
+    with open(held, "ab") as other_run:
+        fcntl.flock(other_run.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        cases[str(held)] = "is locked by another run"
+        for output, problem in cases.items():
+            capsys.readouterr()
+            assert generate.main(shared[0] + ["--input", inp, "--output", output]) == 2, output
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and problem in err and err.startswith("error: "), err
+    with generate.open_output(str(held))[0]:  # released with its run
+        pass
 
 
 def test_messages_without_a_chat_template_are_an_error_record():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dsv4.sampling import Stream, probabilities, row_key, sample
+from dsv4.sampling import NONFINITE_TOKEN, Stream, probabilities, row_key, sample
 from dsv4.speculative import verify
 
 V = 6
@@ -63,6 +63,27 @@ def test_sampled_table_certain_accepts_and_rejects():
     acc, tok = run(logits, drafts, q, [3, 3, 0], temperature=1.0)
     assert acc.tolist() == [3, 1, 0]
     assert tok.tolist() == [[1, 2, 3, 4], [1, 2, -1, -1], [1, -1, -1, -1]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_unusable_target_logits_emit_the_marker_after_the_drafts_before_them(temperature):
+    """A NaN row after two matching drafts: they are accepted, and the token at the NaN row is
+    NONFINITE_TOKEN, whatever the temperature; a +Inf row at the anchor gives the marker at once;
+    rows masked to -Inf in places are sampled as usual."""
+    logits = one_hot_logits([1, 2, 3, 4], high=60.0)[None].repeat(3, 0)
+    logits[0, 2, 4] = np.nan
+    logits[1, 0, 0] = np.inf
+    logits[2, :, 5] = -np.inf
+    drafts = [[1, 2, 3]] * 3
+    q = np.zeros((3, 3, V), np.float32)
+    q[np.arange(3)[:, None], np.arange(3)[None, :], np.asarray(drafts)] = 1.0
+    acc, tok = run(logits, drafts, q, [3, 3, 3], temperature=temperature)
+    assert acc.tolist() == [2, 0, 3]
+    assert tok.tolist() == [[1, 2, NONFINITE_TOKEN, -1], [NONFINITE_TOKEN, -1, -1, -1], [1, 2, 3, 4]]
+    plain = np.asarray(jax.jit(sample)(jnp.asarray(logits[:, 0]), *(jnp.full((3,), x, dt) for x, dt in (
+        (temperature, jnp.float32), (0, jnp.int32), (1.0, jnp.float32), (0.0, jnp.float32))),
+        jnp.arange(3, dtype=jnp.uint32), jnp.full((3,), 7, jnp.int32)))
+    assert plain.tolist() == [1, NONFINITE_TOKEN, 1]
 
 
 def test_no_drafts_gives_exactly_plain_sampling():
