@@ -45,7 +45,7 @@ from dsv4.batch import Chunk, pack_batch
 from dsv4.layers.dspark import RING, DSparkHead
 from dsv4.layers.mtp import MTPHead
 from dsv4.ops.registry import OpSet
-from dsv4.sampling import NONFINITE_TOKEN, NonFiniteLogitsError
+from dsv4.sampling import NONFINITE_TOKEN, NonFiniteLogitsError, logprobs
 from dsv4.speculative import propose, verify
 from dsv4.step import StepRunner, temp_bytes
 
@@ -332,11 +332,17 @@ class SpecBatch:
 class SpecOutputs:
     """Per request row: `accepted` [R] drafts accepted and `tokens` [R, K+1] it commits
     (-1 past accepted + 1; see `speculative.Verdict`); `confidence_logits` [R, K] of the block
-    drafted for the next step."""
+    drafted for the next step. With max_logprobs N > 0, each of the K+1 rows also has the raw
+    model logprob of its token `logprobs` [R, K+1] and the top N (`top_ids` / `top_logprobs`
+    [R, K+1, N], as `dsv4.step.StepOutputs`); None otherwise. Rows past a request's committed
+    tokens hold what the logits of -1 -> token 0 give (callers read only committed rows)."""
 
     accepted: jax.Array
     tokens: jax.Array
     confidence_logits: jax.Array
+    logprobs: jax.Array | None = None
+    top_ids: jax.Array | None = None
+    top_logprobs: jax.Array | None = None
 
 
 def pack_spec(chunks: Sequence[Chunk], spec_lens: Sequence[int], tokens: int, requests: int,
@@ -365,7 +371,7 @@ def pack_spec(chunks: Sequence[Chunk], spec_lens: Sequence[int], tokens: int, re
 
 
 def make_spec_step(graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, geometry, ops: OpSet, k: int,
-                   depth: int | None = None):
+                   depth: int | None = None, max_logprobs: int = 0):
     """The pure fused step: the target's step over the batch, `verify` of every request's
     drafts, the committed positions' taps into the draft rings, and the next block drafted
     from each request's newest token. (params, head_params, state, draft, pending, batch,
@@ -374,7 +380,8 @@ def make_spec_step(graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, geometry
 
     depth: how many drafts the next block has (default K; load-aware depth drafts fewer). The
     pending block is padded to K (token 0, q = 0, confidence logit -inf); the next step must
-    verify at most `depth` of them."""
+    verify at most `depth` of them. max_logprobs: N > 0 also returns the committed tokens'
+    logprobs and top N (`SpecOutputs`)."""
     depth = k if depth is None else depth
     if not 1 <= depth <= k:
         raise ValueError(f"depth must lie in [1, {k}], got {depth}")
@@ -456,9 +463,15 @@ def make_spec_step(graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, geometry
         write = jnp.where(live & (batch.req_slot >= 0), batch.req_slot, s)  # out of range: dropped
         pending = Pending(tokens=pending.tokens.at[write].set(prop.tokens, mode="drop"),
                           probs=pending.probs.at[write].set(prop.probs, mode="drop"))
-        return state, draft, pending, SpecOutputs(accepted=jnp.where(live, verdict.accepted, 0),
-                                                  tokens=jnp.where(live[:, None], verdict.tokens, -1),
-                                                  confidence_logits=prop.confidence_logits)
+        tokens = jnp.where(live[:, None], verdict.tokens, -1)
+        lp = {}
+        if max_logprobs:
+            flat = logits[out_idx].reshape(r * (k + 1), -1)
+            token_lp, top_ids, top_lp = logprobs(flat, jnp.maximum(tokens, 0).reshape(-1), max_logprobs)
+            lp = dict(logprobs=token_lp.reshape(r, k + 1), top_ids=top_ids.reshape(r, k + 1, max_logprobs),
+                      top_logprobs=top_lp.reshape(r, k + 1, max_logprobs))
+        return state, draft, pending, SpecOutputs(accepted=jnp.where(live, verdict.accepted, 0), tokens=tokens,
+                                                  confidence_logits=prop.confidence_logits, **lp)
 
     return step
 
@@ -520,7 +533,8 @@ class SpecRunner:
             jit = lambda f: jax.jit(f, donate_argnums=(2, 3, 4), in_shardings=shardings,  # noqa: E731
                                     out_shardings=(runner.state_shardings, rep, rep, rep))
         self.draft, self.pending = self._init()
-        self._steps = {d: jit(make_spec_step(runner.graphdef, head_graphdef, runner.geometry, ops, k, d))
+        self._steps = {d: jit(make_spec_step(runner.graphdef, head_graphdef, runner.geometry, ops, k, d,
+                                             runner.max_logprobs))
                        for d in self.depths}
         self._compiled: dict = {}
 

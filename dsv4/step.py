@@ -184,6 +184,7 @@ class StepRunner:
         if not 0 <= max_logprobs <= config.vocab_size:
             raise ValueError(f"max_logprobs must lie in [0, {config.vocab_size}] (the vocabulary), got {max_logprobs}")
         self.config, self.geometry, self.policy = config, geometry, policy
+        self.max_logprobs = max_logprobs
         self.graphdef = graphdef
         self.placement = placement
         self.buckets = tuple(sorted(set(buckets)))

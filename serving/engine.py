@@ -326,8 +326,6 @@ class Engine:
         the limits, so another thread may call it while the engine steps."""
         lim = self.limits
         bad = list(req.sampling.problems(lim.vocab_size, lim.max_logprobs))
-        if self._spec is not None and req.sampling.logprobs:
-            bad.append("logprobs are not available with speculative decoding yet")
         if not req.request_id:
             bad.append("request_id must not be empty")
         if not req.prompt_token_ids:
@@ -722,13 +720,17 @@ class Engine:
                 self._count_verification(live, length, a)
             live.depth, live.confidence = depth, np.asarray(result.confidence_logits[i][:depth], np.float64)
             new: list[int] = []
+            want = live.req.sampling.logprobs
+            lps: list[TokenLogprob] | None = [] if want else None
             reason = None
-            for token in result.tokens[i, :a + 1].tolist():
+            for j, token in enumerate(result.tokens[i, :a + 1].tolist()):
                 if token == NONFINITE_TOKEN:
                     reason = FinishReason.ERROR
                     break
                 live.tokens.append(token)
                 new.append(token)
+                if want:
+                    lps.append(self._logprob(result, (i, j), token, want))
                 self._generated += 1
                 reason = self._stop_reason(live, token)
                 if reason is not None:
@@ -736,11 +738,11 @@ class Engine:
             if live.first_token_at is None:
                 live.first_token_at = now
             if reason is None:
-                outputs.append(RequestOutput(live.req.request_id, new))
+                outputs.append(RequestOutput(live.req.request_id, new, lps))
                 continue
             self._running.remove(live)
             self._release(live)
-            outputs.append(self._final(live, new, None, reason))
+            outputs.append(self._final(live, new, lps, reason))
         for live, _ in plan:
             if live in self._running:
                 self._cache_blocks(live)
@@ -784,7 +786,9 @@ class Engine:
         return None
 
     @staticmethod
-    def _logprob(result, row: int, token: int, n: int) -> TokenLogprob | None:
+    def _logprob(result, row: int | tuple[int, int], token: int, n: int) -> TokenLogprob | None:
+        """The token's logprob and top n of a step's output row (a plain step's row, or a
+        speculative step's (request, committed index))."""
         if n == 0 or getattr(result, "logprobs", None) is None:
             return None
         top = tuple((int(i), float(v)) for i, v in zip(result.top_ids[row][:n], result.top_logprobs[row][:n]))

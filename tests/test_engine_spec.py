@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from tests.test_spec_decode import PROMPTS, SPEC
 
 K = SPEC.dspark_block_size
 MAX_LEN = 96
+LOGPROBS = 2  # the top-n width of the shared runner's steps
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +32,14 @@ def parts(tmp_path_factory):
     path = tmp_path_factory.mktemp("engine_spec")
     write_tiny_checkpoint(SPEC, path, seed=21)
     model = dsv4.load_pretrained(path, dtype="float32")
-    runner, spec = spec_runner(model, load_draft(path, dtype=jnp.float32), slots=4, budget=32, token_sizes=[8, 32])
+    runner, spec = spec_runner(model, load_draft(path, dtype=jnp.float32), slots=4, budget=32, token_sizes=[32],
+                               max_logprobs=LOGPROBS)
     return model, runner, spec, path
 
 
 def spec_runner(model, head, *, slots: int, budget: int, token_sizes, k: int = K, pages_per_slot: int = 1,
                 snapshot_slots: int = 0, requests: int | None = None,
-                backend: str = "reference") -> tuple[StepRunner, SpecRunner]:
+                backend: str = "reference", max_logprobs: int = 0) -> tuple[StepRunner, SpecRunner]:
     """A float32 StepRunner for MAX_LEN-token requests (buckets with K + 1 outputs per request
     and taps) and the SpecRunner over it, both on `backend`'s ops, on the model's placement."""
     page = default_page_tokens(model.config)
@@ -45,7 +48,7 @@ def spec_runner(model, head, *, slots: int, budget: int, token_sizes, k: int = K
                              max_pages_per_seq=per_seq, max_spec_tokens=k, dtype=jnp.float32)
     buckets = make_buckets(budget, requests or slots, max_spec_tokens=k, taps=True, token_sizes=token_sizes)
     runner = StepRunner(model.graphdef, model.params, model.config, geometry, buckets, ops_for(backend),
-                        snapshot_slots=snapshot_slots, placement=model.placement)
+                        snapshot_slots=snapshot_slots, placement=model.placement, max_logprobs=max_logprobs)
     return runner, SpecRunner(runner, head, ops_for(backend), k=k)
 
 
@@ -53,7 +56,7 @@ def engine(parts, **kw):
     _, runner, spec, _ = parts
     spec.reset()
     limits = EngineLimits(vocab_size=SPEC.vocab_size, eos_token_ids=(), max_num_batched_tokens=32,
-                          max_model_len=MAX_LEN, max_waiting=64)
+                          max_model_len=MAX_LEN, max_waiting=64, max_logprobs=runner.max_logprobs)
     return Engine(runner, limits, speculator=spec, **kw)
 
 
@@ -90,7 +93,7 @@ def test_the_quantised_model_on_the_ffi_kernels_speculates_losslessly(tmp_path):
     model = dsv4.load_pretrained(tmp_path, dtype="float32", quantized=True, backend="ffi")
     assert model.config.fake_quant
     head = load_draft(tmp_path, dtype=jnp.float32, quantized=True)
-    runner, spec = spec_runner(model, head, slots=3, budget=32, token_sizes=[8, 32], backend="ffi")
+    runner, spec = spec_runner(model, head, slots=3, budget=32, token_sizes=[32], backend="ffi")
     want = model.generate(PROMPTS, 12, max_num_seqs=3, max_num_batched_tokens=32)
     reqs = [EngineRequest(str(i), tuple(p), SamplingParams(max_tokens=12, ignore_eos=True)) for i, p in
             enumerate(PROMPTS)]
@@ -113,7 +116,7 @@ def test_speculation_on_a_mesh_is_plain_greedy_and_samples_as_one_device(parts, 
     dep = sh.Deployment(deployment)
     placement = sh.Placement(sh.make_mesh(dep, sizes), dep)
     sharded = dsv4.load_pretrained(path, dtype="float32", placement=placement, draft="dspark")
-    runner, spec = spec_runner(sharded, sharded.draft_head, slots=4, budget=32, token_sizes=[32])  # one token size: fewer programs
+    runner, spec = spec_runner(sharded, sharded.draft_head, slots=4, budget=32, token_sizes=[32])
     shards = placement.mesh_shape.get("data", 1)
     want = model.generate(PROMPTS, 14, max_num_seqs=3, max_num_batched_tokens=32)
     greedy = [EngineRequest(str(i), tuple(p), SamplingParams(max_tokens=14, ignore_eos=True))
@@ -146,9 +149,29 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(parts):
     assert busy["x"] == alone["x"]
 
 
-def test_logprobs_are_refused_under_speculation(parts):
+def test_logprobs_under_speculation_are_the_models_log_softmax_at_each_token(parts):
+    """Greedy requests asking for logprobs, with drafts accepted: every token, drafted or not,
+    comes with the model's teacher-forced log_softmax there and its top 2."""
+    model = parts[0]
     eng = engine(parts)
-    assert any("speculative" in p for p in eng.validate(EngineRequest("l", (1, 2), SamplingParams(logprobs=2))))
+    for i, p in enumerate(PROMPTS):
+        eng.submit(EngineRequest(str(i), tuple(p), SamplingParams(max_tokens=12, logprobs=LOGPROBS, ignore_eos=True)))
+    tokens, lps, finals = {}, {}, {}
+    while eng.has_work():
+        for o in eng.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            lps.setdefault(o.request_id, []).extend(o.logprobs)
+            if o.finished:
+                finals[o.request_id] = o
+    assert sum(f.usage.accepted_draft_tokens for f in finals.values()) > 0
+    for i, p in enumerate(PROMPTS):
+        got = tokens[str(i)]
+        assert [lp.token_id for lp in lps[str(i)]] == got
+        full = np.asarray(jax.nn.log_softmax(model.logits([list(p) + got[:-1]])[0], axis=-1))[len(p) - 1:]
+        np.testing.assert_allclose([lp.logprob for lp in lps[str(i)]], full[np.arange(len(got)), got], atol=2e-4)
+        for lp, row in zip(lps[str(i)], full):
+            assert [t for t, _ in lp.top] == np.argsort(-row, kind="stable")[:LOGPROBS].tolist()
+            np.testing.assert_allclose([v for _, v in lp.top], np.sort(row)[::-1][:LOGPROBS], atol=2e-4)
 
 
 def test_capacity_aware_verification_keeps_greedy_output_and_reports_telemetry(parts):
