@@ -125,6 +125,8 @@ class ServingConfig:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], source: str = "config") -> ServingConfig:
         names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(values, Mapping) or not all(isinstance(k, str) for k in values):
+            raise ValueError(f"{source}: expected a mapping of config keys (strings) to values")
         unknown = sorted(set(values) - names)
         if unknown:
             raise ValueError(f"{source}: unknown keys {unknown}; known: {sorted(names)}")
@@ -166,24 +168,30 @@ def type_problems(config: ServingConfig) -> list[str]:
 
 
 def read_config_file(path: str) -> dict[str, Any]:
+    """The mapping a TOML or YAML config file holds; ValueError naming the file when it is not
+    one (OSError when it cannot be read)."""
+    if not path.endswith((".toml", ".yaml", ".yml")):
+        raise ValueError(f"{path}: config files are .toml, .yaml or .yml")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
     if path.endswith(".toml"):
-        with open(path, "rb") as f:
-            try:
-                return tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
-                raise ValueError(f"{path}: not valid TOML: {e}") from None
-    if path.endswith((".yaml", ".yml")):
-        import yaml
+        try:
+            return tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: not valid TOML: {e}") from None
+    import yaml
 
-        with open(path) as f:
-            try:
-                data = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ValueError(f"{path}: not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of config keys")
-        return data
-    raise ValueError(f"{path}: config files are .toml, .yaml or .yml")
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of config keys")
+    return data
 
 
 def _sizes(text: str) -> tuple[int, ...]:

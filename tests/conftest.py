@@ -53,6 +53,8 @@ def pytest_addoption(parser):
     parser.addoption("--compilation-cache-dir", default=None,
                      help="persistent XLA compilation cache for this run (default: a fresh temporary directory)")
     parser.addoption("--no-compilation-cache", action="store_true", help="compile every program from scratch")
+    parser.addoption("--soak-seconds", type=float, default=0.0,
+                     help="run the serving soak test (tests/test_soak.py) for this long; 0 (default): skip it")
 
 
 def pytest_configure(config):

@@ -483,6 +483,7 @@ def test_health_reflection_model_info_and_metrics(served):
 
 def test_load_bench_runs_against_the_server(served, tmp_path):
     from bench.serving_load import main
+    from bench.serving_load import problems as serving_load_problems
 
     out = main(["--target", f"127.0.0.1:{served.port}", "--requests", "12", "--concurrency", "4",
                 "--prompt-tokens", "2,20", "--max-tokens", "1,8", "--json", str(tmp_path / "load.json")])
@@ -492,6 +493,13 @@ def test_load_bench_runs_against_the_server(served, tmp_path):
     assert 0 < s["ttft_p50_s"] <= s["latency_p99_s"] and s["latency_p50_s"] <= s["latency_p99_s"]
     assert out["meta"]["server_step"]["steps"] > 0 and out["meta"]["device"] == one_device()
     assert out["summary"]["output_tokens"] == sum(r.sampling.max_tokens for r in make_load_requests())
+    # Soak mode, briefly: requests go on for the duration, every third is cancelled by its client,
+    # and the server is idle afterwards.
+    soak = main(["--target", f"127.0.0.1:{served.port}", "--duration", "3", "--concurrency", "6",
+                 "--cancel-every", "3", "--prompt-tokens", "2,20", "--max-tokens", "4,8"])
+    s = soak["summary"]
+    assert s["requests"] >= 6 and s["cancelled"] == len(range(0, s["requests"], 3)) and not s["errors"]
+    assert s["ok"] == s["requests"] - s["cancelled"] and serving_load_problems(soak) == []
 
 
 def make_load_requests():

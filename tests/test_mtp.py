@@ -69,7 +69,7 @@ def parts(tmp_path_factory):
     path = tmp_path_factory.mktemp("mtp")
     write_tiny_checkpoint(MTP_CFG, path, seed=5, mtp=True)
     model = dsv4.load_pretrained(path, dtype="float32", draft="mtp")
-    runner, spec = spec_runner(model, model.draft_head, slots=3, budget=32, token_sizes=[8, 32], k=K, requests=4)
+    runner, spec = spec_runner(model, model.draft_head, slots=3, budget=32, token_sizes=[32], k=K, requests=4)
     return path, model, runner, spec
 
 
