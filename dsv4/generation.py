@@ -111,8 +111,7 @@ class Generator:
                     tok = int(out.tokens[o])
                     o += 1
                     if tok == NONFINITE_TOKEN:
-                        raise NonFiniteLogitsError(f"prompt {req.index}: the model's logits are NaN or infinite at "
-                                                   f"generated token {len(req.generated)}")
+                        raise NonFiniteLogitsError.at(req.index, len(req.generated))
                     req.generated.append(tok)
                     if len(req.generated) >= req.max_new or tok in stops:
                         req.finished = True

@@ -32,6 +32,11 @@ NONFINITE_TOKEN = -2  # what a row with unusable logits samples (never a vocabul
 class NonFiniteLogitsError(RuntimeError):
     """The model produced NaN or infinite logits for a request (`NONFINITE_TOKEN`)."""
 
+    @classmethod
+    def at(cls, prompt: int, generated: int) -> NonFiniteLogitsError:
+        """The error for prompt `prompt`'s generated token number `generated`."""
+        return cls(f"prompt {prompt}: the model's logits are NaN or infinite at generated token {generated}")
+
 
 def usable_rows(logits_OV: jax.Array) -> jax.Array:
     """[O] bool: rows that can be sampled: no NaN, no +Inf, and some entry above -Inf (entries

@@ -108,8 +108,7 @@ class _Request:
     def take(self, tokens: list[int]) -> None:
         """Append sampled tokens; NonFiniteLogitsError at the marker of unusable logits."""
         if NONFINITE_TOKEN in tokens:
-            raise NonFiniteLogitsError(f"prompt {self.index}: the model's logits are NaN or infinite at generated "
-                                       f"token {len(self.generated) + tokens.index(NONFINITE_TOKEN)}")
+            raise NonFiniteLogitsError.at(self.index, len(self.generated) + tokens.index(NONFINITE_TOKEN))
         self.generated += tokens
 
     @property
@@ -335,7 +334,7 @@ class SpecOutputs:
     drafted for the next step. With max_logprobs N > 0, each of the K+1 rows also has the raw
     model logprob of its token `logprobs` [R, K+1] and the top N (`top_ids` / `top_logprobs`
     [R, K+1, N], as `dsv4.step.StepOutputs`); None otherwise. Rows past a request's committed
-    tokens hold what the logits of -1 -> token 0 give (callers read only committed rows)."""
+    tokens are filler (their token taken as 0); callers read only the committed rows."""
 
     accepted: jax.Array
     tokens: jax.Array

@@ -3,7 +3,8 @@ minutes, inside calls (an XLA compile) that Python cannot interrupt, and a signa
 runs when the main thread returns to the interpreter. `run_interruptible` runs that work on a
 worker thread while the main thread waits in short joins, so SIGTERM and SIGINT are acted on
 at once: one line on stderr, and the process ends (exit 0 for SIGTERM, 130 for SIGINT).
-Nothing is served or written before start-up ends, so there is nothing to drain or flush.
+Nothing is served or being written during start-up (the batch CLI prepares its output file
+before it), so there is nothing to drain or flush.
 """
 
 from __future__ import annotations
